@@ -1,0 +1,109 @@
+"""Tile geometry and input checks shared by every skip-softmax path (see docs/skip_softmax.md).
+
+The constants fix which tiles exist, so calibration counts, serving skips and the reference agree on every
+device. Never tune them per GPU: change them here (and in the document) or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+TILE_Q = 64
+"""Query rows per prefill tile, counted from the first new query token of a sequence."""
+
+TILE_K = 64
+"""Keys per tile, aligned to absolute key positions."""
+
+DECODE_SPLIT_TOKENS = 2048
+"""Decode (q_len == 1) keys are processed in independent splits of this many keys (split-K)."""
+
+assert DECODE_SPLIT_TOKENS % TILE_K == 0
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def is_dense_threshold(lam: float | None) -> bool:
+    """True when a threshold means 'skip nothing' (None, NaN, <= 0 or >= 1)."""
+    return lam is None or not (0.0 < lam < 1.0)
+
+
+def log_thresholds(lam: torch.Tensor) -> torch.Tensor:
+    """ln(λ) as float32, with dense entries (<= 0, >= 1, NaN) mapped to -inf so no tile ever passes the test."""
+    lam = lam.to(torch.float64)
+    dense = ~((lam > 0) & (lam < 1))
+    out = torch.log(torch.where(dense, torch.ones_like(lam), lam))
+    return torch.where(dense, torch.full_like(out, -math.inf), out).to(torch.float32)
+
+
+def as_threshold_tensor(skip_threshold, batch: int, device) -> torch.Tensor | None:
+    """Normalise `skip_threshold` (None, float, or [B] tensor) to a float32 [B] tensor on `device`, or None."""
+    if skip_threshold is None:
+        return None
+    if isinstance(skip_threshold, (int, float)):
+        return torch.full((batch,), float(skip_threshold), dtype=torch.float32, device=device)
+    if not isinstance(skip_threshold, torch.Tensor):
+        raise TypeError(f"skip_threshold must be None, a float or a [B] tensor, got {type(skip_threshold).__name__}")
+    if skip_threshold.dim() != 1 or skip_threshold.shape[0] != batch:
+        raise ValueError(f"skip_threshold must have shape [B]=[{batch}], got {tuple(skip_threshold.shape)}")
+    return skip_threshold.to(device=device, dtype=torch.float32)
+
+
+def as_trials_tensor(threshold_trials, batch: int, device) -> torch.Tensor | None:
+    """Normalise calibration trials (a sequence of λ, a [T] or a [B, T] tensor) to float32 [B, T], or None."""
+    if threshold_trials is None:
+        return None
+    if isinstance(threshold_trials, torch.Tensor):
+        trials = threshold_trials.to(device=device, dtype=torch.float32)
+    elif isinstance(threshold_trials, Sequence):
+        trials = torch.tensor([float(t) for t in threshold_trials], dtype=torch.float32, device=device)
+    else:
+        raise TypeError("threshold_trials must be a sequence of floats or a [T] / [B, T] tensor")
+    if trials.dim() == 1:
+        trials = trials.unsqueeze(0).expand(batch, -1)
+    if trials.dim() != 2 or trials.shape[0] != batch or trials.shape[1] == 0:
+        raise ValueError(f"threshold_trials must be [T] or [B={batch}, T] with T >= 1, got {tuple(trials.shape)}")
+    return trials.contiguous()
+
+
+def check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out) -> None:
+    """Validate shapes and dtypes early, with errors that say what vLLM-style input is expected."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, Hq, D], got shape {tuple(q.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(
+                f"{name} must be a [num_blocks, page_size, Hkv, D] view (use the plugin's KV-cache view helpers), "
+                f"got shape {tuple(cache.shape)}"
+            )
+        if cache.dtype in _FP8_DTYPES:
+            raise NotImplementedError(f"FP8 KV caches ({cache.dtype}) are not supported yet; serve with kv_cache_dtype='auto'")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported query dtype {q.dtype}; expected one of {SUPPORTED_DTYPES}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share one dtype")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head size mismatch: q has D={d}, the cache has D={k_cache.shape[3]}")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be an int32 [B, max_pages] tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+    batch = block_table.shape[0]
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_q must be [B+1]=[{batch + 1}], got {tuple(cu_seqlens_q.shape)}")
+    if seq_lens_k.dim() != 1 or seq_lens_k.shape[0] != batch:
+        raise ValueError(f"seq_lens_k must be [B]=[{batch}], got {tuple(seq_lens_k.shape)}")
+    if out is not None:
+        if out.dim() != 3 or out.shape[1:] != q.shape[1:] or out.shape[0] < q.shape[0]:
+            raise ValueError(f"out must be [>= total_q, Hq, D] like q {tuple(q.shape)}, got {tuple(out.shape)}")

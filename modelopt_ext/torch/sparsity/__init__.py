@@ -1,0 +1,1 @@
+"""modelopt-ext: calibrated skip-softmax sparse attention for vLLM serving."""

@@ -1,0 +1,1 @@
+"""modelopt-ext sparse attention."""
