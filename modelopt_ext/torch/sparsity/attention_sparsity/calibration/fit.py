@@ -1,0 +1,298 @@
+"""From calibration tile counts to the per-phase fit `scale_factor = a * exp(b * sparsity)`.
+
+Calibration runs each sequence once, dense, and counts for every threshold trial how many tiles serving would visit
+and skip (docs/skip_softmax.md, "Counts"). Trials are *scale factors* `sf_t`; a sequence with `kv_len` keys is
+tested at `λ = sf_t / kv_len`, so one trial list serves every length. Each (sequence, trial) gives one point
+`(sparsity = skipped / visited, scale_factor = sf_t)`.
+
+Fit (least squares on `log(scale_factor) = log(a) + b * sparsity`, i.e. relative error, as ModelOpt's
+`fit_logspace`): scale factors span orders of magnitude, and λ acts multiplicatively (the skip test compares
+against `ln λ`), so a relative error is the meaningful one and the largest trials must not dominate.
+
+Informative-point rule: a point with sparsity <= `MIN_INFORMATIVE_SPARSITY` (0.01) or >= `MAX_INFORMATIVE_SPARSITY`
+(0.99) is dropped. At those ends sparsity saturates (nothing or nearly everything skipped, or λ >= 1 which is dense
+by definition), so any trial beyond the saturation point lands there and would bend the fit without telling it
+anything about where the curve is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..plugins.sparse_attn_config import PHASES, PhaseCalibration
+
+logger = logging.getLogger(__name__)
+
+MIN_INFORMATIVE_SPARSITY = 0.01
+MAX_INFORMATIVE_SPARSITY = 0.99
+# Fewest informative points, and fewest distinct trials among them, for a fit we are willing to write.
+MIN_POINTS = 6
+MIN_DISTINCT_TRIALS = 3
+
+
+class CalibrationFitError(ValueError):
+    """The calibration data cannot support a fit; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """Counts of one sequence (or one layer / TP-rank share of it) for all trials.
+
+    `counts[t] = (visited, skipped)` at trial `t`. Records with the same `(phase, seq_id, kv_len)` are summed by
+    `aggregate_counts` (raw counts over layers and ranks, never averaged ratios); `seq_id=None` makes a record
+    its own sample.
+    """
+
+    phase: str
+    kv_len: int
+    counts: Any  # array-like [T, 2] of int (numpy, torch tensor or nested lists)
+    seq_id: Any = None
+
+
+@dataclass(frozen=True)
+class FitPoint:
+    """One (sequence, trial) measurement."""
+
+    sparsity: float
+    scale_factor: float
+    kv_len: int = 0
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """Result of `fit_phase`: the law, its log-space R², and the data it rests on."""
+
+    a: float
+    b: float
+    r2: float
+    n_points: int
+    sparsity_range: tuple[float, float]
+    n_total: int = 0
+    phase: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def scale_factor(self, target_sparsity: float) -> float:
+        return self.a * math.exp(self.b * target_sparsity)
+
+    def to_phase_calibration(self, target_sparsity: float) -> PhaseCalibration:
+        return PhaseCalibration(
+            self.a,
+            self.b,
+            float(target_sparsity),
+            observed_sparsity_range=self.sparsity_range,
+            r2=self.r2,
+            n_points=self.n_points,
+        )
+
+
+def default_threshold_trials(
+    min_scale_factor: float = 1e-2, max_scale_factor: float = 1e5, per_decade: int = 4
+) -> list[float]:
+    """Log-spaced scale factors (λ·kv_len), 1e-2 .. 1e5 with 4 per decade (29 trials) by default.
+
+    Why this range: ModelOpt 0.47 sweeps λ over 1e-6 .. 0.99 (20 trials) at lengths 1k..32k, i.e. scale factors
+    ~1e-3 .. 3e4, and its example fits (prefill a≈7.9, b≈8.6; decode a≈0.12, b≈9.9) put sparsity 0.05..0.95 at
+    scale factors ~0.2 .. 3e4. Trials at or above a sequence's kv_len mean λ >= 1 (dense) and are simply dropped.
+    """
+    if not 0 < min_scale_factor < max_scale_factor or per_decade < 1:
+        raise ValueError("need 0 < min_scale_factor < max_scale_factor and per_decade >= 1")
+    lo, hi = math.log10(min_scale_factor), math.log10(max_scale_factor)
+    n = max(2, round((hi - lo) * per_decade) + 1)
+    return [float(f"{v:.6g}") for v in np.logspace(lo, hi, n)]
+
+
+def _as_counts(counts: Any, n_trials: int, where: str) -> np.ndarray:
+    if hasattr(counts, "detach"):  # torch tensor, without importing torch here
+        counts = counts.detach().cpu().numpy()
+    arr = np.asarray(counts)
+    if arr.shape != (n_trials, 2):
+        raise ValueError(
+            f"{where}: counts must have shape [T, 2] = [{n_trials}, 2] (visited, skipped), got {arr.shape}"
+        )
+    if np.any(arr < 0) or np.any(arr[:, 1] > arr[:, 0]):
+        raise ValueError(f"{where}: counts must satisfy 0 <= skipped <= visited, got {arr.tolist()}")
+    return arr.astype(np.int64)
+
+
+def _as_record(rec: Any) -> CalibrationRecord:
+    if isinstance(rec, CalibrationRecord):
+        return rec
+    if isinstance(rec, Mapping):
+        return CalibrationRecord(rec["phase"], int(rec["kv_len"]), rec["counts"], rec.get("seq_id"))
+    return CalibrationRecord(*rec)
+
+
+def aggregate_counts(records: Iterable[Any], scale_factors: Sequence[float]) -> dict[str, list[FitPoint]]:
+    """Per phase, one `FitPoint` per (sample, trial) from raw count records.
+
+    `records` are `CalibrationRecord`s, `(phase, kv_len, counts[, seq_id])` tuples or dicts with those keys.
+    Counts of records sharing `(phase, seq_id, kv_len)` are summed first, so per-layer and per-rank records can
+    be passed as they come. Samples with no visited tile, and trials with λ = sf / kv_len >= 1 (dense by
+    definition), give no point.
+    """
+    n_trials = len(scale_factors)
+    sums: dict[tuple, np.ndarray] = {}
+    singles: list[tuple[str, int, np.ndarray]] = []
+    for i, raw in enumerate(records):
+        rec = _as_record(raw)
+        if rec.phase not in PHASES:
+            raise ValueError(f"record {i}: phase must be one of {list(PHASES)}, got {rec.phase!r}")
+        counts = _as_counts(rec.counts, n_trials, f"record {i}")
+        if rec.seq_id is None:
+            singles.append((rec.phase, int(rec.kv_len), counts))
+        else:
+            key = (rec.phase, rec.seq_id, int(rec.kv_len))
+            sums[key] = counts if key not in sums else sums[key] + counts
+    samples = singles + [(phase, kv_len, c) for (phase, _, kv_len), c in sums.items()]
+    points: dict[str, list[FitPoint]] = {phase: [] for phase in PHASES}
+    for phase, kv_len, counts in samples:
+        for sf, (visited, skipped) in zip(scale_factors, counts.tolist(), strict=True):
+            if visited <= 0 or kv_len <= 0 or sf >= kv_len:
+                continue
+            points[phase].append(FitPoint(skipped / visited, float(sf), kv_len))
+    return points
+
+
+def fit_phase(
+    points: Iterable[FitPoint | tuple[float, float]],
+    *,
+    phase: str = "",
+    min_sparsity: float = MIN_INFORMATIVE_SPARSITY,
+    max_sparsity: float = MAX_INFORMATIVE_SPARSITY,
+    min_points: int = MIN_POINTS,
+) -> PhaseFit:
+    """Fit `scale_factor = a * exp(b * sparsity)` to the informative points (see the module docstring).
+
+    Points are `FitPoint`s or `(sparsity, scale_factor)` pairs. Raises `CalibrationFitError` saying what to
+    change when there are too few informative points, too few distinct trials among them, or the fit has b <= 0
+    or is not finite.
+    """
+    from scipy import stats
+
+    label = f"{phase} calibration" if phase else "calibration"
+    pts = [(p.sparsity, p.scale_factor) if isinstance(p, FitPoint) else (float(p[0]), float(p[1])) for p in points]
+    n_total = len(pts)
+    s = np.array([p[0] for p in pts], dtype=np.float64)
+    sf = np.array([p[1] for p in pts], dtype=np.float64)
+    valid = np.isfinite(s) & np.isfinite(sf) & (sf > 0)
+    low = int(np.sum(valid & (s <= min_sparsity)))
+    high = int(np.sum(valid & (s >= max_sparsity)))
+    keep = valid & (s > min_sparsity) & (s < max_sparsity)
+    s, sf = s[keep], sf[keep]
+    n = int(s.size)
+    hint = (
+        f"{n} of {n_total} points are informative (sparsity in ({min_sparsity}, {max_sparsity})); "
+        f"{low} at or below {min_sparsity}, {high} at or above {max_sparsity}"
+    )
+    fixes = []
+    if low >= high:
+        fixes.append("raise the largest threshold trial (scale factor) or use longer prompts (more tiles per row)")
+    if high > low:
+        fixes.append("lower the smallest threshold trial (scale factor)")
+    fixes.append("use more / longer calibration prompts or more trials inside the range")
+    if n == 0 and n_total == 0:
+        raise CalibrationFitError(
+            f"{label}: no measurements at all; run calibration prompts for this phase "
+            "(decode needs generated tokens, prefill needs prompts longer than one tile of 64 tokens)"
+        )
+    if n < min_points or np.unique(sf).size < MIN_DISTINCT_TRIALS or np.ptp(s) <= 0:
+        raise CalibrationFitError(
+            f"{label}: too few informative points to fit (need >= {min_points} points over >= "
+            f"{MIN_DISTINCT_TRIALS} distinct trials): {hint}. Fix: {'; '.join(fixes)}"
+        )
+    log_sf = np.log(sf)
+    res = stats.linregress(s, log_sf)
+    a, b = float(math.exp(res.intercept)) if math.isfinite(res.intercept) else math.nan, float(res.slope)
+    pred = res.intercept + res.slope * s
+    ss_res = float(np.sum((log_sf - pred) ** 2))
+    ss_tot = float(np.sum((log_sf - log_sf.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0):
+        raise CalibrationFitError(f"{label}: the fit is not finite (a={a}, b={b}); {hint}. Fix: {'; '.join(fixes)}")
+    if b <= 0:
+        raise CalibrationFitError(
+            f"{label}: fitted b={b:.4g} <= 0, i.e. sparsity does not grow with the threshold: the measurements "
+            f"are noise ({hint}). Fix: use a wider trials range and more / longer prompts"
+        )
+    notes = []
+    if r2 < 0.8:
+        notes.append(f"low fit quality R²={r2:.3f} (log space)")
+        logger.warning("%s: low fit quality R²=%.3f in log space over %d points", label, r2, n)
+    fit = PhaseFit(
+        a=a,
+        b=b,
+        r2=float(r2),
+        n_points=n,
+        sparsity_range=(float(s.min()), float(s.max())),
+        n_total=n_total,
+        phase=phase,
+        notes=tuple(notes),
+    )
+    logger.info(
+        "%s: a=%.6g b=%.4f R²=%.4f over %d/%d points, observed sparsity [%.3f, %.3f]",
+        label, fit.a, fit.b, fit.r2, n, n_total, *fit.sparsity_range,
+    )  # fmt: skip
+    return fit
+
+
+def fit_phases(points_by_phase: Mapping[str, Iterable[FitPoint]], **kwargs: Any) -> dict[str, PhaseFit]:
+    """`fit_phase` for every phase that has points (a phase with none stays uncalibrated, i.e. dense)."""
+    out = {}
+    for phase in PHASES:
+        pts = list(points_by_phase.get(phase, ()))
+        if pts:
+            out[phase] = fit_phase(pts, phase=phase, **kwargs)
+    return out
+
+
+def plot_fit(
+    points_by_phase: Mapping[str, Iterable[FitPoint | tuple[float, float]]],
+    fits: Mapping[str, PhaseFit | None],
+    path: str | os.PathLike,
+) -> Path:
+    """PNG of the measured points and fitted curves, one panel per phase (matplotlib's Agg canvas, no pyplot)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plot_fit needs matplotlib: pip install matplotlib") from exc
+
+    phases = [p for p in PHASES if list(points_by_phase.get(p, ())) or fits.get(p) is not None]
+    if not phases:
+        raise ValueError("plot_fit: nothing to plot (no points and no fits)")
+    fig = Figure(figsize=(6 * len(phases), 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, phase in enumerate(phases):
+        ax = fig.add_subplot(1, len(phases), i + 1)
+        pts = [(p.sparsity, p.scale_factor) if isinstance(p, FitPoint) else p for p in points_by_phase.get(phase, ())]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.scatter(xs, ys, s=6, alpha=0.35, label=f"measured ({len(pts)})")
+        fit = fits.get(phase)
+        if fit is not None:
+            grid = np.linspace(0.0, 1.0, 200)
+            ax.plot(
+                grid, fit.a * np.exp(fit.b * grid), color="C3", label=f"a={fit.a:.3g}, b={fit.b:.3g}, R²={fit.r2:.3f}"
+            )
+            ax.axvspan(*fit.sparsity_range, color="C2", alpha=0.08, label="observed range")
+        for lim in (MIN_INFORMATIVE_SPARSITY, MAX_INFORMATIVE_SPARSITY):
+            ax.axvline(lim, color="grey", lw=0.6, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlim(0.0, 1.0)
+        ax.set_xlabel("sparsity (skipped / visited tiles)")
+        ax.set_ylabel("scale factor (λ · kv_len)")
+        ax.set_title(f"{phase}: scale_factor = a·exp(b·sparsity)")
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
