@@ -85,12 +85,11 @@ def _decode_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_sk
         visited = visited[:, None, None, :]
         counts = torch.zeros(bd, n_trials, 2, dtype=torch.int64, device=q.device)
         counts[:, :, 0] = (visited.sum(dim=(1, 2, 3)) * hq).unsqueeze(1)
-        skipped = None
-        for t in range(n_trials):
-            skipped = visited & (gap < log_lams[:, t][:, None, None, None])
-            counts[:, t, 1] = skipped.sum(dim=(1, 2, 3))
+        # [Bd, T, Hkv, g, nt]: all trials at once (a decode tile has one row).
+        skipped = visited.unsqueeze(1) & (gap.unsqueeze(1) < log_lams[:, :, None, None, None])
+        counts[:, :, 1] = skipped.sum(dim=(2, 3, 4))
         if apply_skip:
-            tiles.masked_fill_(skipped.unsqueeze(-1), -math.inf)
+            tiles.masked_fill_(skipped[:, 0].unsqueeze(-1), -math.inf)
     p = torch.softmax(s, dim=-1)
     out = torch.matmul(p, v.permute(0, 2, 1, 3))  # [Bd, Hkv, group, D]
     return out.reshape(bd, hq, d), counts
@@ -133,16 +132,16 @@ def _prefill_sequence(q, k, v, kv_len, scale, log_lams, apply_skip):
             valid_b = torch.nn.functional.pad(row_valid, (0, 0, 0, pad_rows), value=False)
             valid_b = valid_b.reshape(n_blocks, TILE_Q, n_tiles)
             visited = valid_b.any(dim=1)  # [nb, n_tiles], same for every head
-            gap_b = torch.nn.functional.pad(gap, (0, 0, 0, pad_rows), value=math.inf)
-            gap_b = gap_b.reshape(hkv, group, n_blocks, TILE_Q, n_tiles)
+            # A tile is skipped at λ iff its largest gap over valid rows is below ln λ: reduce once, then compare
+            # every trial on the small [Hkv, g, nb, n_tiles] tensor.
+            gap = gap.masked_fill(~row_valid, -math.inf)
+            gap = torch.nn.functional.pad(gap, (0, 0, 0, pad_rows), value=-math.inf)
+            tile_gap = gap.reshape(hkv, group, n_blocks, TILE_Q, n_tiles).amax(dim=3)
             counts[:, 0] += visited.sum() * hq
-            skipped = None
-            for t in range(n_trials):
-                ok = (~valid_b) | (gap_b < log_lams[t])
-                skipped = visited & ok.all(dim=3)  # [Hkv, g, nb, n_tiles]
-                counts[t, 1] += skipped.sum()
+            skipped = visited & (tile_gap.unsqueeze(0) < log_lams[:, None, None, None, None])  # [T, Hkv, g, nb, nt]
+            counts[:, 1] += skipped.sum(dim=(1, 2, 3, 4))
             if apply_skip:
-                per_row = skipped.repeat_interleave(TILE_Q, dim=2)[:, :, :n_rows]  # [Hkv, g, R, n_tiles]
+                per_row = skipped[0].repeat_interleave(TILE_Q, dim=2)[:, :, :n_rows]  # [Hkv, g, R, n_tiles]
                 tiles.masked_fill_(per_row.unsqueeze(-1), -math.inf)
         p = torch.softmax(s, dim=-1)
         o = torch.matmul(p, vh[:, :kv_end].unsqueeze(1))  # [Hkv, g, R, D]

@@ -84,7 +84,9 @@ def check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out
                 f"got shape {tuple(cache.shape)}"
             )
         if cache.dtype in _FP8_DTYPES:
-            raise NotImplementedError(f"FP8 KV caches ({cache.dtype}) are not supported yet; serve with kv_cache_dtype='auto'")
+            raise NotImplementedError(
+                f"FP8 KV caches ({cache.dtype}) are not supported yet; serve with kv_cache_dtype='auto'"
+            )
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -98,7 +100,9 @@ def check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be an int32 [B, max_pages] tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be an int32 [B, max_pages] tensor, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     batch = block_table.shape[0]
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
         raise ValueError(f"cu_seqlens_q must be [B+1]=[{batch + 1}], got {tuple(cu_seqlens_q.shape)}")
