@@ -1,0 +1,1025 @@
+#!/usr/bin/env python
+"""Kernel benchmark: paged skip-softmax attention vs dense SDPA and ModelOpt 0.47's Triton kernel.
+
+Never a timed test. Examples:
+
+    python benchmarks/bench_kernels.py --device cpu --quick --out artifacts/bench_cpu
+    python benchmarks/bench_kernels.py --device cuda --out gpu_logs/bench --modelopt-wheels .whl
+
+What it does, per shape (prefill: B=1, q_len == kv_len; decode: q_len == 1, equal kv_len per sequence):
+
+1. Builds structured inputs so attention is peaky and skipping is reachable: an attention sink at key 0,
+   heavy-tailed per-key salience shared by all queries of a KV head, and a RoPE-like locality term
+   (recency). K/V live in a vLLM-style paged cache ``[num_blocks, 2, page, Hkv, D]`` with a shuffled
+   block table; SDPA gets the same data as contiguous ``[B, H, L, D]`` tensors.
+2. Finds λ for each target sparsity on that data with calibration sweeps (``threshold_trials``, one dense
+   pass for many λ; bisection with ``return_skip_counts`` if calibration is unavailable), then measures the
+   realized sparsity of a serving call at the chosen λ.
+3. Checks outputs before timing: our dense (λ=None) and ModelOpt's dense output against SDPA dense.
+4. Times (CUDA events after a GPU sleep so launch latency is hidden; median of many runs; inputs rotated
+   over several copies so the working set exceeds L2): SDPA FLASH_ATTENTION / CUDNN_ATTENTION dense, ours
+   dense, ours with skipping on but nothing skipped (tiny λ), ours at each λ, and ModelOpt at the same λ.
+5. Prints a table (speedups beside the ideal bound 2/(2-s)) and writes results.json / results.csv /
+   summary.csv / table.txt into --out, after every shape, so partial results survive a timeout.
+
+ModelOpt baseline: ``modelopt.torch.kernels.common.attention.triton_fa.attention`` with its paged-cache
+arguments (``k_cache``, ``v_cache``, ``block_table``, ``page_size``), one scalar λ per launch (the threshold is
+a compile-time constant there, so each λ compiles a new variant; the bench reports the variant counts).
+It is imported from the environment, from ``--modelopt-path`` or from a wheel in ``--modelopt-wheels``
+(unzipped into a temporary folder; nothing is installed). If the full package cannot be imported (missing
+dependencies such as pydantic), only the kernel modules are loaded (they need just torch and triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+L2_BYTES = 50 * 2**20  # H200 L2 (50 MB); inputs are rotated so the working set is several times larger
+TINY_LAMBDA = 1e-20  # skipping on, nothing skipped (ln λ = -46)
+# Structure of the synthetic scores (score units, i.e. after softmax_scale): noise ~ N(0, 1) plus
+SINK_SCORE = 16.0  # an attention sink at key 0,
+SALIENCE_SCALE = 1.0  # per-key salience ~ SALIENCE_SCALE * Exp(1), shared by all queries of a KV head,
+LOCALITY_AMP = 4.0  # and a RoPE-like recency term, LOCALITY_AMP at distance 0, decaying with log distance.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# A dense output matches SDPA dense when |out - ref| <= atol + rtol * |ref| everywhere (outputs are O(1)).
+TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3), torch.float32: (2e-4, 1e-4)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shapes
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    phase: str  # "prefill" or "decode"
+    batch: int
+    kv_len: int
+    hq: int
+    hkv: int
+    head_dim: int
+    page_size: int
+
+    @property
+    def q_len(self) -> int:
+        return self.kv_len if self.phase == "prefill" else 1
+
+    @property
+    def label(self) -> str:
+        k = f"{self.kv_len // 1024}k" if self.kv_len % 1024 == 0 else str(self.kv_len)
+        return f"{self.phase} B={self.batch} L={k} H={self.hq}/{self.hkv} D={self.head_dim} pg={self.page_size}"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            b, l_ = item.split(":")
+            out.append((int(b), int(l_)))
+    return out
+
+
+def default_shapes(device: str, quick: bool) -> dict:
+    """Prefill lengths and decode (batch, length) pairs, most informative first (the time budget cuts the tail)."""
+    if device == "cuda":
+        if quick:
+            return {"prefill": [16384], "decode": [(16, 32768)], "heads": (32, 8, 128), "pages": [16]}
+        return {
+            "prefill": [16384, 65536, 131072],
+            "decode": [(64, 16384), (1, 131072), (16, 65536), (32, 131072)],
+            "heads": (32, 8, 128),
+            "pages": [16, 64],
+        }
+    if quick:
+        return {"prefill": [1024], "decode": [(2, 4096)], "heads": (4, 2, 64), "pages": [16]}
+    return {"prefill": [1024, 2048], "decode": [(1, 8192), (4, 4096)], "heads": (8, 2, 64), "pages": [16, 64]}
+
+
+def build_shapes(args) -> list[Shape]:
+    d = default_shapes(args.device, args.quick)
+    hq, hkv, hd = d["heads"]
+    hq = args.heads or hq
+    hkv = args.kv_heads or hkv
+    hd = args.head_dim or hd
+    pages = _ints(args.page_sizes) if args.page_sizes else d["pages"]
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    prefill = _ints(args.prefill_lens) if args.prefill_lens else d["prefill"]
+    decode = _pairs(args.decode_shapes) if args.decode_shapes else d["decode"]
+    shapes: list[Shape] = []
+    # Interleave prefill and decode so a time budget still leaves both phases measured.
+    pre = [Shape("prefill", 1, n, hq, hkv, hd, pages[0]) for n in prefill] if "prefill" in phases else []
+    dec = [Shape("decode", b, n, hq, hkv, hd, pages[0]) for b, n in decode] if "decode" in phases else []
+    for i in range(max(len(pre), len(dec))):
+        shapes += pre[i : i + 1] + dec[i : i + 1]
+    for p in pages[1:]:  # other page sizes: the first shape of each phase only
+        if pre:
+            shapes.append(Shape("prefill", 1, prefill[0], hq, hkv, hd, p))
+        if dec:
+            shapes.append(Shape("decode", decode[0][0], decode[0][1], hq, hkv, hd, p))
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Structured inputs
+# ----------------------------------------------------------------------------------------------------
+class Inputs:
+    """One copy of a case's data: paged cache for ours/ModelOpt, contiguous [B, H, L, D] for SDPA."""
+
+    def __init__(self, shape: Shape, dtype: torch.dtype, device: str, seed: int):
+        s = shape
+        self.shape = s
+        self.scale = s.head_dim**-0.5
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cpu_gen = torch.Generator().manual_seed(seed)
+        pages_per_seq = -(-s.kv_len // s.page_size)
+        num_blocks = s.batch * pages_per_seq + 1
+        perm = torch.randperm(num_blocks, generator=cpu_gen)[: s.batch * pages_per_seq]
+        self.block_table = perm.view(s.batch, pages_per_seq).to(torch.int32).to(device)
+        # Unused cache slots hold noise, never zeros.
+        cache_shape = (num_blocks, 2, s.page_size, s.hkv, s.head_dim)
+        self.kv_cache = torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+        self.k_cache = self.kv_cache[:, 0]  # [num_blocks, page, Hkv, D] views, as the plugin passes them
+        self.v_cache = self.kv_cache[:, 1]
+        self.k_dense = torch.empty(s.batch, s.hkv, s.kv_len, s.head_dim, dtype=dtype, device=device)
+        self.v_dense = torch.empty_like(self.k_dense)
+        self.q = torch.empty(s.batch * s.q_len, s.hq, s.head_dim, dtype=dtype, device=device)
+        self.cu_seqlens_q = torch.arange(0, s.batch + 1, dtype=torch.int32, device=device) * s.q_len
+        self.seq_lens_k = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device=device)
+        self.q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]  # ModelOpt's b_seq_len
+        self.k_dummy = torch.empty(0, s.hkv, s.head_dim, device=device, dtype=dtype)  # ModelOpt: GQA ratio only
+        self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        d = s.head_dim
+        n_freq = max(1, min(16, d // 8))
+        # Locality (RoPE-like): sum_f cos(w_f (p - j)), periods log-spaced from 64 to 8 * L, amplitude LOCALITY_AMP.
+        periods = torch.logspace(math.log10(64), math.log10(8 * max(s.kv_len, 64)), n_freq, device=device)
+        omega = 2 * math.pi / periods
+        pos_amp = math.sqrt(LOCALITY_AMP / (n_freq * self.scale))
+        # Salience direction per KV head, orthogonal to the positional dims; q carries sqrt(D) of it so a key's
+        # salience h (in score units) adds h to every score of that key.
+        u = torch.randn(s.hkv, d, generator=gen, device=device)
+        u[:, : 2 * n_freq] = 0
+        u = u / u.norm(dim=-1, keepdim=True)
+        group = s.hq // s.hkv
+        u_q = u.repeat_interleave(group, dim=0)  # [Hq, D]
+        q_dir = math.sqrt(d) * u_q
+
+        def pos_feat(pos: torch.Tensor) -> torch.Tensor:  # [n] -> [n, 2F]
+            ang = pos.to(torch.float32)[:, None] * omega[None, :]
+            return pos_amp * torch.stack([ang.cos(), ang.sin()], dim=-1).reshape(pos.shape[0], 2 * n_freq)
+
+        chunk = 8192
+        for b in range(s.batch):
+            for j0 in range(0, s.kv_len, chunk):
+                j1 = min(s.kv_len, j0 + chunk)
+                pos = torch.arange(j0, j1, device=device)
+                k = torch.randn(j1 - j0, s.hkv, d, generator=gen, device=device)
+                k[:, :, : 2 * n_freq] += pos_feat(pos)[:, None, :]
+                sal = torch.empty(j1 - j0, s.hkv, device=device).exponential_(1.0, generator=gen) * SALIENCE_SCALE
+                if j0 == 0:
+                    sal[0] = SINK_SCORE  # attention sink
+                k += sal[..., None] * u[None]
+                v = torch.randn(j1 - j0, s.hkv, d, generator=gen, device=device)
+                self.k_dense[b, :, j0:j1] = k.permute(1, 0, 2).to(dtype)
+                self.v_dense[b, :, j0:j1] = v.permute(1, 0, 2).to(dtype)
+            # Scatter the sequence into its pages.
+            n_full = s.kv_len // s.page_size
+            pages = self.block_table[b].long()
+            kd = self.k_dense[b].permute(1, 0, 2)  # [L, Hkv, D]
+            vd = self.v_dense[b].permute(1, 0, 2)
+            if n_full:
+                self.k_cache[pages[:n_full]] = kd[: n_full * s.page_size].reshape(n_full, s.page_size, s.hkv, d)
+                self.v_cache[pages[:n_full]] = vd[: n_full * s.page_size].reshape(n_full, s.page_size, s.hkv, d)
+            rest = s.kv_len - n_full * s.page_size
+            if rest:
+                self.k_cache[pages[n_full], :rest] = kd[n_full * s.page_size :]
+                self.v_cache[pages[n_full], :rest] = vd[n_full * s.page_size :]
+            # Queries: the last q_len positions of the sequence.
+            for p0 in range(0, s.q_len, chunk):
+                p1 = min(s.q_len, p0 + chunk)
+                pos = torch.arange(s.kv_len - s.q_len + p0, s.kv_len - s.q_len + p1, device=device)
+                q = torch.randn(p1 - p0, s.hq, d, generator=gen, device=device)
+                q -= (q * u_q).sum(-1, keepdim=True) * u_q  # exact salience gain: q . u = sqrt(D)
+                q += q_dir[None]
+                q[:, :, : 2 * n_freq] += pos_feat(pos)[:, None, :]
+                self.q[b * s.q_len + p0 : b * s.q_len + p1] = q.to(dtype)
+        # SDPA view of the queries: [B, Hq, q_len, D] (no copy).
+        self.q_sdpa = self.q.view(s.batch, s.q_len, s.hq, d).transpose(1, 2)
+
+    def expanded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V repeated to Hq heads, built once (for SDPA backends without native GQA)."""
+        if self._expanded is None:
+            group = self.shape.hq // self.shape.hkv
+            k, v = self.k_dense, self.v_dense
+            self._expanded = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+        return self._expanded
+
+    def sdpa_out_as_ours(self, o: torch.Tensor) -> torch.Tensor:
+        return o.transpose(1, 2).reshape(-1, self.shape.hq, self.shape.head_dim)
+
+
+def case_bytes(shape: Shape, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one input copy, bytes of K/V read per call)."""
+    elt = torch.finfo(dtype).bits // 8
+    kv = 2 * shape.batch * shape.kv_len * shape.hkv * shape.head_dim * elt
+    q = shape.batch * shape.q_len * shape.hq * shape.head_dim * elt
+    pages = -(-shape.kv_len // shape.page_size) * shape.page_size * shape.batch
+    paged = 2 * (pages + shape.page_size) * shape.hkv * shape.head_dim * elt
+    return kv + paged + q, kv
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels under test
+# ----------------------------------------------------------------------------------------------------
+_OURS = None
+
+
+def ours(inp: Inputs, lam, backend: str, **kw):
+    global _OURS
+    if _OURS is None:
+        from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention as _OURS
+    return _OURS(
+        inp.q,
+        inp.k_cache,
+        inp.v_cache,
+        inp.block_table,
+        inp.cu_seqlens_q,
+        inp.seq_lens_k,
+        softmax_scale=inp.scale,
+        skip_threshold=lam,
+        backend=backend,
+        **kw,
+    )
+
+
+def sdpa_backends(device: str, fallback: bool = False) -> list[tuple[str, object]]:
+    from torch.nn.attention import SDPBackend
+
+    if device == "cuda":
+        names = [("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION")]
+        if fallback:  # only when neither ran (e.g. --dtype fp32, which FlashAttention does not take)
+            names = [("sdpa_efficient", "EFFICIENT_ATTENTION"), ("sdpa_math", "MATH")]
+    else:
+        names = [("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_math", "MATH")]
+    return [(label, getattr(SDPBackend, attr)) for label, attr in names if hasattr(SDPBackend, attr)]
+
+
+def sdpa(inp: Inputs, backend, gqa_mode: str) -> torch.Tensor:
+    from torch.nn.attention import sdpa_kernel
+
+    causal = inp.shape.phase == "prefill"  # q_len == kv_len there, so top-left == bottom-right alignment
+    with sdpa_kernel([backend]):
+        if gqa_mode == "native":
+            return F.scaled_dot_product_attention(
+                inp.q_sdpa, inp.k_dense, inp.v_dense, is_causal=causal, scale=inp.scale, enable_gqa=True
+            )
+        k, v = inp.expanded_kv()
+        return F.scaled_dot_product_attention(inp.q_sdpa, k, v, is_causal=causal, scale=inp.scale)
+
+
+class ModelOptBaseline:
+    """ModelOpt 0.47's paged Triton flash attention with skip-softmax, or the reason it is unavailable."""
+
+    def __init__(self, fn=None, version: str | None = None, mode: str | None = None, reason: str | None = None):
+        self.fn, self.version, self.mode, self.reason = fn, version, mode, reason
+        self.module = None
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+    def describe(self) -> str:
+        if self.available:
+            return f"ModelOpt baseline: nvidia-modelopt {self.version} (import: {self.mode})"
+        return f"ModelOpt baseline: unavailable ({self.reason})"
+
+    def __call__(self, inp: Inputs, lam, measure: bool = False) -> torch.Tensor:
+        s = inp.shape
+        return self.fn(
+            inp.q,
+            inp.k_dummy,
+            inp.k_dummy,
+            b_start_loc=inp.cu_seqlens_q[:-1],
+            b_seq_len=inp.q_lens,
+            max_input_len=s.q_len,
+            is_causal=True,
+            softmax_scale=inp.scale,
+            b_start_loc_k=None,
+            b_seq_len_k=inp.seq_lens_k,
+            max_input_len_k=s.kv_len,
+            k_cache=inp.k_cache,
+            v_cache=inp.v_cache,
+            block_table=inp.block_table,
+            page_size=s.page_size,
+            skip_softmax_threshold=lam,
+            measure_sparsity=measure,
+        )
+
+
+_KERNEL_PACKAGES = (
+    "modelopt",
+    "modelopt.torch",
+    "modelopt.torch.kernels",
+    "modelopt.torch.kernels.common",
+    "modelopt.torch.kernels.common.attention",
+    "modelopt.torch.kernels.sparsity",
+    "modelopt.torch.kernels.sparsity.attention",
+    "modelopt.torch.kernels.quantization",
+    "modelopt.torch.kernels.quantization.attention",
+    "modelopt.torch.kernels.quantization.common",
+)
+_TRITON_FA = "modelopt.torch.kernels.common.attention.triton_fa"
+
+
+def _drop_modelopt_modules() -> None:
+    for name in [m for m in sys.modules if m == "modelopt" or m.startswith("modelopt.")]:
+        del sys.modules[name]
+
+
+def _modelopt_version(search_dirs: list[str]) -> str:
+    from importlib import metadata
+
+    for dist in metadata.distributions(path=search_dirs + sys.path):
+        if (dist.metadata["Name"] or "").lower() == "nvidia-modelopt":
+            return dist.version
+    return "unknown"
+
+
+def load_modelopt(mode: str, wheels: str | None, path: str | None, device: str) -> ModelOptBaseline:
+    """Import ModelOpt's paged Triton attention. mode: auto | full | kernel-only | off."""
+    base = _import_modelopt(mode, wheels, path)
+    if base.available and device != "cuda":
+        base.fn = None
+        base.reason = f"imported ({base.version}, {base.mode}), but its Triton kernel needs a CUDA device"
+    return base
+
+
+def _import_modelopt(mode: str, wheels: str | None, path: str | None) -> ModelOptBaseline:
+    if mode == "off":
+        return ModelOptBaseline(reason="disabled with --modelopt off")
+    extra: list[str] = []
+    if path:
+        extra.append(str(Path(path).resolve()))
+    if wheels:
+        found = sorted(Path(wheels).glob("nvidia_modelopt-*.whl"))
+        if not found:
+            return ModelOptBaseline(reason=f"no nvidia_modelopt-*.whl in {wheels}")
+        target = tempfile.mkdtemp(prefix="modelopt_whl_")
+        with zipfile.ZipFile(found[-1]) as zf:
+            zf.extractall(target)
+        extra.append(target)
+    for p in reversed(extra):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    importlib.invalidate_caches()
+    if importlib.util.find_spec("modelopt") is None:
+        return ModelOptBaseline(reason="nvidia-modelopt is not importable (pass --modelopt-wheels DIR with its wheel)")
+    version = _modelopt_version(extra)
+    errors = []
+    if mode in ("auto", "full"):
+        try:
+            mod = importlib.import_module(_TRITON_FA)
+            base = ModelOptBaseline(mod.attention, version, "full package")
+            base.module = mod
+            return base
+        except Exception as exc:  # missing optional deps (pydantic, omegaconf, ...) on bare machines
+            errors.append(f"full import: {type(exc).__name__}: {exc}")
+            _drop_modelopt_modules()
+            if mode == "full":
+                return ModelOptBaseline(reason="; ".join(errors))
+    try:
+        # Load only the kernel modules (torch + triton): parent packages become plain namespaces so their
+        # __init__ files (which pull in the whole library) do not run. ModelOpt's code itself is unchanged.
+        root = Path(importlib.util.find_spec("modelopt").submodule_search_locations[0])
+        for name in _KERNEL_PACKAGES:
+            rel = name.split(".")[1:]
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(root.joinpath(*rel))]
+            sys.modules[name] = pkg
+            if "." in name:
+                parent, child = name.rsplit(".", 1)
+                setattr(sys.modules[parent], child, pkg)
+        mod = importlib.import_module(_TRITON_FA)
+        base = ModelOptBaseline(mod.attention, version, "kernel modules only")
+        base.module = mod
+        return base
+    except Exception as exc:
+        errors.append(f"kernel-only import: {type(exc).__name__}: {exc}")
+        _drop_modelopt_modules()
+        return ModelOptBaseline(reason="; ".join(errors))
+
+
+def count_triton_variants(module) -> int | None:
+    """Compiled kernel variants held by the Triton JIT functions of a module (best effort; None if unknown)."""
+    if module is None:
+        return None
+    total, found = 0, False
+    for obj in list(vars(module).values()):
+        fn = obj
+        for _ in range(4):
+            if hasattr(fn, "device_caches"):
+                break
+            fn = getattr(fn, "fn", None)
+            if fn is None:
+                break
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            continue
+        found = True
+        for entry in list(caches.values()):
+            kernel_cache = entry[0] if isinstance(entry, tuple) else entry
+            with contextlib.suppress(TypeError):
+                total += len(kernel_cache)
+    return total if found else None
+
+
+def our_triton_module():
+    try:
+        return importlib.import_module("modelopt_ext.torch.kernels.sparsity.attention.triton_kernel")
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# λ search
+# ----------------------------------------------------------------------------------------------------
+def _sparsity(counts: torch.Tensor) -> list[float]:
+    c = counts.sum(dim=0).double()  # [T, 2]
+    return [float(s / v) if v > 0 else 0.0 for v, s in zip(c[:, 0].tolist(), c[:, 1].tolist(), strict=True)]
+
+
+def find_lambdas(inp: Inputs, targets: list[float], backend: str) -> tuple[dict, str]:
+    """λ per target sparsity on this data: {target: (λ, sparsity predicted by the search)} and the method used."""
+
+    def sweep(lams: list[float]) -> list[float]:
+        out = []
+        for i in range(0, len(lams), 16):  # 16 trials per dense pass (padded: the trial count is compiled in)
+            chunk = lams[i : i + 16]
+            _, counts = ours(inp, None, backend, threshold_trials=chunk + [chunk[-1]] * (16 - len(chunk)))
+            out += _sparsity(counts)[: len(chunk)]
+        return out
+
+    method = "calibration sweep"
+    try:
+        grid = [10 ** (-12 + 12 * i / 24) for i in range(24)] + [0.999]
+        sp = sweep(grid)
+        refine: list[float] = []
+        for t in targets:
+            i = next((k for k, v in enumerate(sp) if v >= t), len(sp) - 1)
+            lo, hi = grid[max(0, i - 1)], grid[i]
+            refine += [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * k / 11) for k in range(12)]
+        sp2 = sweep(refine)
+        lams, sps = grid + refine, sp + sp2
+    except Exception as exc:  # calibration mode unavailable: bisect with serving counts
+        method = f"bisection (calibration sweep failed: {type(exc).__name__})"
+        lams, sps = [], []
+
+        def serve(lam: float) -> float:
+            _, counts = ours(inp, lam, backend, return_skip_counts=True)
+            return _sparsity(counts)[0]
+
+        for t in targets:
+            lo, hi = -20.0, math.log(0.999)  # ln λ
+            for _ in range(10):
+                mid = 0.5 * (lo + hi)
+                s = serve(math.exp(mid))
+                lams.append(math.exp(mid))
+                sps.append(s)
+                lo, hi = (mid, hi) if s < t else (lo, mid)
+    chosen = {}
+    for t in targets:
+        k = min(range(len(lams)), key=lambda i, t=t: (abs(sps[i] - t), lams[i]))
+        chosen[t] = (lams[k], sps[k])
+    return chosen, method
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(fn, n_copies: int, device: str, args) -> dict:
+    """Median time (ms) of fn(copy_index) over many runs; inputs rotate over the copies."""
+    t_warm = time.perf_counter()
+    for i in range(args.warmup):  # the first call compiles; slow kernels stop warming up after target_seconds
+        fn(i % n_copies)
+        _sync(device)
+        if i and time.perf_counter() - t_warm > args.target_seconds:
+            break
+    t0 = time.perf_counter()
+    fn(0)
+    _sync(device)
+    est = max(time.perf_counter() - t0, 1e-6)
+    min_iters = args.min_iters if est < 0.1 else min(args.min_iters, 3)
+    iters = int(min(args.max_iters, max(min_iters, args.target_seconds / est)))
+    times = []
+    if device == "cuda":
+        sleep = getattr(torch.cuda, "_sleep", None)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i, (start, end) in enumerate(ev):
+            if sleep is not None:
+                sleep(200_000)  # ~0.1 ms of GPU work queued ahead, so the host launch cost is not timed
+            start.record()
+            fn(i % n_copies)
+            end.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in ev]
+    else:
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(i % n_copies)
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {
+        "ms": statistics.median(times),
+        "ms_min": times[0],
+        "ms_p90": times[min(len(times) - 1, int(0.9 * len(times)))],
+        "iters": iters,
+    }
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[float, bool]:
+    """(max |a - b|, whether a matches reference b within TOLERANCE[dtype]), in chunks to bound memory."""
+    atol, rtol = TOLERANCE.get(dtype, (0.0, 0.0))
+    worst, ok = 0.0, True
+    step = max(1, (1 << 26) // max(1, a[0].numel()))
+    for i in range(0, a.shape[0], step):
+        x, y = a[i : i + step].float(), b[i : i + step].float()
+        diff = (x - y).abs()
+        d = diff.max().item()
+        worst = max(worst, d if d == d else math.inf)
+        ok = ok and bool((diff <= atol + rtol * y.abs()).all())
+    return worst, ok
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return compare(a, b)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# One shape
+# ----------------------------------------------------------------------------------------------------
+def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, log, flush=None) -> list[dict]:
+    """All measurements of one shape; `flush(records)` is called as they come, so a kill keeps them."""
+    device = args.device
+    recs: list[dict] = []
+    base = {"shape": shape.label, **asdict(shape), "dtype": args.dtype}
+
+    def rec(variant: str, impl: str, **kw) -> dict:
+        r = {**base, "variant": variant, "impl": impl, "lam": None, "target": None, "sparsity": None, "ms": None,
+             "ms_min": None, "ms_p90": None, "iters": None, "err_vs_dense": None, "check": "", "error": "", **kw}
+        recs.append(r)
+        return r
+
+    copy_bytes, kv_bytes = case_bytes(shape, dtype)
+    n_copies = 1
+    if device == "cuda":
+        n_copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / kv_bytes)))
+        free, _ = torch.cuda.mem_get_info()
+        usable = int(0.6 * free) - 4 * copy_bytes // 3  # leave room for outputs and comparisons
+        while n_copies > 1 and n_copies * copy_bytes > usable:
+            n_copies -= 1
+        if copy_bytes > usable:
+            rec("all", "-", error=f"skipped: needs ~{copy_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+            return recs
+    t_setup = time.perf_counter()
+    copies = [Inputs(shape, dtype, device, seed=args.seed + 1000 * c) for c in range(n_copies)]
+    _sync(device)
+    log(f"  inputs: {n_copies} cop{'y' if n_copies == 1 else 'ies'} x {copy_bytes / 2**20:.0f} MiB "
+        f"({time.perf_counter() - t_setup:.1f} s)")
+    inp0 = copies[0]
+    backend = args.backend
+
+    # Reference dense output (SDPA) and which SDPA backends work on this shape.
+    sdpa_ok: list[tuple[str, object, str]] = []
+    ref = None
+    candidates = sdpa_backends(device)
+    fallback_added = device != "cuda"
+    while candidates:
+        label, be = candidates.pop(0)
+        err = ""
+        for gqa in ("native", "expand"):
+            if gqa == "expand" and device == "cuda":
+                free, _ = torch.cuda.mem_get_info()
+                need = 2 * (shape.hq // shape.hkv) * inp0.k_dense.numel() * inp0.k_dense.element_size() * n_copies
+                if need > 0.3 * free:
+                    err += f"; expanded K/V would need {need / 2**30:.1f} GiB"
+                    continue
+            try:
+                o = inp0.sdpa_out_as_ours(sdpa(inp0, be, gqa))
+                _sync(device)
+            except Exception as exc:
+                err = f"{gqa}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                continue
+            if ref is None:
+                ref = o
+                sdpa_ok.append((label, be, gqa))
+                rec(label, "sdpa", check=f"reference (gqa={gqa})")
+            else:
+                e, ok = compare(o, ref, dtype)
+                sdpa_ok.append((label, be, gqa))
+                rec(label, "sdpa", err_vs_dense=e, check=("ok" if ok else "MISMATCH") + f" (gqa={gqa})")
+            del o
+            break
+        else:
+            rec(label, "sdpa", error=f"unavailable: {err}")
+        if not candidates and ref is None and not fallback_added:
+            candidates, fallback_added = sdpa_backends(device, fallback=True), True
+    if ref is None:
+        for r in recs:
+            r["error"] = r["error"] or "no SDPA backend ran"
+        return recs
+
+    # Our dense output check.
+    try:
+        o = ours(inp0, None, backend)
+        e_dense, ok = compare(o, ref, dtype)
+        del o
+        dense_check = "ok" if ok else "MISMATCH"
+    except Exception as exc:
+        e_dense, dense_check = None, f"ERROR {type(exc).__name__}: {str(exc)[:200]}"
+        log(traceback.format_exc())
+
+    # λ search.
+    lam_info, method = {}, ""
+    if args.sparsities:
+        try:
+            t0 = time.perf_counter()
+            lam_info, method = find_lambdas(inp0, args.sparsities, backend)
+            log(f"  λ search ({method}, {time.perf_counter() - t0:.1f} s): "
+                + ", ".join(f"s={t:.2f}: λ={lam:.3g} (pred {sp:.3f})" for t, (lam, sp) in lam_info.items()))
+        except Exception as exc:
+            log(f"  λ search failed: {type(exc).__name__}: {exc}")
+            log(traceback.format_exc())
+    cases = [("ours_dense", None, None), ("ours_tiny", TINY_LAMBDA, 0.0)]
+    ours_snaps: list = []  # compiled-variant counts after each λ case
+    mo_snaps: list = []
+    cases += [(f"ours_s{round(100 * t)}", lam, t) for t, (lam, _) in lam_info.items()]
+
+    def check_deadline() -> bool:
+        return time.perf_counter() < deadline
+
+    # SDPA timings.
+    for label, be, gqa in sdpa_ok:
+        r = next(r for r in recs if r["variant"] == label)
+        if not check_deadline():
+            r["error"] = "skipped: time budget"
+            continue
+        try:
+            r.update(time_fn(lambda i, be=be, gqa=gqa: sdpa(copies[i], be, gqa), n_copies, device, args))
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    if flush:
+        flush(recs)
+    # Ours.
+    for variant, lam, target in cases:
+        r = rec(variant, "ours", lam=lam, target=target)
+        if variant == "ours_dense":
+            r["err_vs_dense"], r["check"] = e_dense, dense_check
+        if not check_deadline():
+            r["error"] = "skipped: time budget"
+            continue
+        try:
+            lam_t = None  # per-sequence λ tensor [B], built once as the plugin's per-step planning would
+            if lam is not None:
+                lam_t = torch.full((shape.batch,), lam, dtype=torch.float32, device=device)
+                o, counts = ours(inp0, lam_t, backend, return_skip_counts=True)
+                r["sparsity"] = _sparsity(counts)[0]
+                r["err_vs_dense"] = max_abs_diff(o, ref)
+                del o
+            else:
+                r["sparsity"] = 0.0
+            r.update(time_fn(lambda i, lam_t=lam_t: ours(copies[i], lam_t, backend), n_copies, device, args))
+            if lam is not None and backend == "triton":
+                ours_snaps.append(count_triton_variants(our_triton_module()))
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log(traceback.format_exc())
+
+    if flush:
+        flush(recs)
+    # ModelOpt at the same λ.
+    if mo.available:
+        for variant, lam, target in cases:
+            r = rec(variant.replace("ours", "modelopt"), "modelopt", lam=lam, target=target)
+            if not check_deadline():
+                r["error"] = "skipped: time budget"
+                continue
+            try:
+                mo_lam = None if lam is None else float(lam)
+                o = mo(inp0, mo_lam, measure=args.modelopt_measure and lam is not None)
+                _sync(device)
+                r["err_vs_dense"], ok = compare(o, ref, dtype)
+                if lam is None:
+                    r["check"] = "ok" if ok else "MISMATCH"
+                    r["sparsity"] = 0.0
+                elif hasattr(o, "_sparsity_total") and o._sparsity_total:
+                    # ModelOpt's own count (fixed 128x128 measurement tiles, not the timed config's tiles).
+                    r["sparsity"] = o._sparsity_skipped / o._sparsity_total
+                    r["check"] = "sparsity: ModelOpt 128x128 measure tiles"
+                del o
+                r.update(time_fn(lambda i, mo_lam=mo_lam: mo(copies[i], mo_lam), n_copies, device, args))
+                if lam is not None:
+                    mo_snaps.append(count_triton_variants(mo.module))
+            except Exception as exc:
+                r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                log(traceback.format_exc())
+            if flush:
+                flush(recs)
+    for r in recs:
+        r["lam_method"] = method
+        r["copies"] = n_copies
+    # Compiled Triton variants added while λ took new values (after the first λ case has compiled everything).
+    def added(snaps: list) -> int | None:
+        return snaps[-1] - snaps[0] if len(snaps) >= 2 and None not in snaps else None
+
+    note = {
+        "lambdas_after_first": max(0, len(ours_snaps) - 1),
+        "ours_variants_added": added(ours_snaps),
+        "modelopt_variants_added": added(mo_snaps),
+    }
+    for r in recs:
+        r.update(note)
+    copies.clear()
+    inp0 = ref = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return recs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------------------
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (shape, λ case): our time vs our dense, SDPA dense and ModelOpt at the same λ."""
+    rows = []
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    for sh in shapes:
+        rs = [r for r in records if r["shape"] == sh]
+        by = {r["variant"]: r for r in rs}
+        sdpa_rs = [r for r in rs if r["impl"] == "sdpa" and r.get("ms")]
+        best = min(sdpa_rs, key=lambda r: r["ms"]) if sdpa_rs else None
+        if not any(r["impl"] == "ours" for r in rs):  # the whole shape failed, was not reached or was cut short
+            errs = "; ".join(dict.fromkeys(str(r.get("error") or "") for r in rs if r.get("error")))
+            rows.append({"shape": sh, "dtype": rs[0].get("dtype"), "case": "-", "lam": None, "sparsity": None,
+                         "ours_ms": None, "ours_dense_ms": None, "sdpa_ms": best["ms"] if best else None,
+                         "sdpa_backend": best["variant"] if best else None,
+                         "modelopt_ms": None, "modelopt_sparsity": None, "speedup_vs_own_dense": None,
+                         "speedup_vs_sdpa": None, "speedup_vs_modelopt": None, "bound": None, "check": "",
+                         "error": errs or "incomplete (cut short)"})
+            continue
+        own_dense = by.get("ours_dense", {}).get("ms")
+        for r in rs:
+            if r["impl"] != "ours":
+                continue
+            mo_r = by.get(r["variant"].replace("ours", "modelopt"), {})
+            s = r["sparsity"]
+            ms = r["ms"]
+            rows.append({
+                "shape": sh,
+                "dtype": r["dtype"],
+                "case": r["variant"].replace("ours_", ""),
+                "lam": r["lam"],
+                "sparsity": s,
+                "ours_ms": ms,
+                "ours_dense_ms": own_dense,
+                "sdpa_ms": best["ms"] if best else None,
+                "sdpa_backend": best["variant"] if best else None,
+                "modelopt_ms": mo_r.get("ms"),
+                "modelopt_sparsity": mo_r.get("sparsity"),
+                "speedup_vs_own_dense": own_dense / ms if ms and own_dense else None,
+                "speedup_vs_sdpa": best["ms"] / ms if ms and best else None,
+                "speedup_vs_modelopt": mo_r["ms"] / ms if ms and mo_r.get("ms") else None,
+                "bound": 2.0 / (2.0 - s) if s is not None else None,
+                "check": r["check"],
+                "error": r["error"] or mo_r.get("error", ""),
+            })
+    return rows
+
+
+def _f(x, fmt: str) -> str:
+    if x is None:
+        width = "".join(c for c in fmt.split(".")[0] if c.isdigit())
+        return "-".rjust(int(width or 0))
+    return format(x, fmt)
+
+
+def variant_lines(records: list[dict]) -> str:
+    """Per shape: Triton variants compiled while λ changed (ours must add none; ModelOpt compiles λ in)."""
+    lines = []
+    for sh in dict.fromkeys(r["shape"] for r in records):
+        r = next((x for x in records if x["shape"] == sh and "ours_variants_added" in x), None)
+        if r is None or (r["ours_variants_added"] is None and r["modelopt_variants_added"] is None):
+            continue
+        lines.append(f"{sh}: compiled variants added over {r['lambdas_after_first']} new λ: "
+                     f"ours {_f(r['ours_variants_added'], 'd')}, ModelOpt {_f(r['modelopt_variants_added'], 'd')}")
+    return "\n".join(lines)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'shape':<44} {'dt':<5} {'case':<6} {'λ':>9} {'s':>6} {'ours ms':>9} {'dense ms':>9} "
+            f"{'SDPA ms':>9} {'MO ms':>9} {'MO s':>6} {'x own':>6} {'x SDPA':>6} {'x MO':>6} {'2/(2-s)':>7}  note")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        note = r["error"] or r["check"]
+        lines.append(
+            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<6} {_f(r['lam'], '9.2e')} {_f(r['sparsity'], '6.3f')} "
+            f"{_f(r['ours_ms'], '9.3f')} {_f(r['ours_dense_ms'], '9.3f')} {_f(r['sdpa_ms'], '9.3f')} "
+            f"{_f(r['modelopt_ms'], '9.3f')} {_f(r['modelopt_sparsity'], '6.3f')} "
+            f"{_f(r['speedup_vs_own_dense'], '6.2f')} {_f(r['speedup_vs_sdpa'], '6.2f')} "
+            f"{_f(r['speedup_vs_modelopt'], '6.2f')} {_f(r['bound'], '7.2f')}  {note}"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path, meta: dict, records: list[dict], rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "records": records, "summary": rows}, indent=1, default=str),
+                   encoding="utf-8")
+    tmp.replace(out / "results.json")
+    for name, data in (("results.csv", records), ("summary.csv", rows)):
+        if data:
+            keys = list(dict.fromkeys(k for d in data for k in d))
+            with open(out / name, "w", newline="", encoding="utf-8") as fh:
+                w = csv.DictWriter(fh, fieldnames=keys)
+                w.writeheader()
+                w.writerows(data)
+    (out / "table.txt").write_text(format_table(rows) + "\n" + variant_lines(records) + "\n", encoding="utf-8")
+
+
+def environment(args, mo: ModelOptBaseline) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "modelopt": mo.describe(),
+        "argv": sys.argv,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:
+        env["triton"] = f"unavailable ({type(exc).__name__})"
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    else:
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="a few small shapes only")
+    p.add_argument("--out", default=None, help="folder for results.json/csv, summary.csv, table.txt")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--backend", choices=("triton", "torch", "auto"), default=None,
+                   help="our backend (default: triton on cuda, torch on cpu)")
+    p.add_argument("--phases", default="prefill,decode")
+    p.add_argument("--prefill-lens", default=None, help="comma list of prefill lengths (B=1), e.g. 16384,131072")
+    p.add_argument("--decode-shapes", default=None, help="comma list of batch:kv_len, e.g. 1:131072,64:16384")
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--page-sizes", default=None, help="comma list; the first is used for all shapes")
+    p.add_argument("--sparsities", default="0.5,0.7,0.9", help="target realized sparsities ('' for none)")
+    p.add_argument("--modelopt", choices=("auto", "full", "kernel-only", "off"), default="auto")
+    p.add_argument("--modelopt-wheels", default=None, help="folder holding nvidia_modelopt-*.whl (not installed)")
+    p.add_argument("--modelopt-path", default=None, help="folder to put on sys.path to import modelopt")
+    p.add_argument("--no-modelopt-measure", dest="modelopt_measure", action="store_false",
+                   help="do not compile ModelOpt's sparsity-counting variant")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; no new case starts after it")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-iters", type=int, default=None)
+    p.add_argument("--max-iters", type=int, default=None)
+    p.add_argument("--target-seconds", type=float, default=None, help="timed seconds per variant (sets iters)")
+    p.add_argument("--max-copies", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False (use --device cpu)")
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.backend = args.backend or ("triton" if args.device == "cuda" else "torch")
+    args.sparsities = _floats(args.sparsities)
+    if args.device == "cuda":
+        args.min_iters = args.min_iters or 5
+        args.max_iters = args.max_iters or 100
+        args.target_seconds = args.target_seconds or (0.3 if args.quick else 0.6)
+    else:
+        args.warmup = min(args.warmup, 1)
+        args.min_iters = args.min_iters or 2
+        args.max_iters = args.max_iters or 10
+        args.target_seconds = args.target_seconds or (0.2 if args.quick else 1.0)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with contextlib.suppress(Exception):  # never die on a non-UTF-8 console (λ, ·)
+        sys.stdout.reconfigure(encoding="utf-8", errors="replace")
+    t_start = time.perf_counter()
+    deadline = t_start + args.time_budget if args.time_budget else math.inf
+    out = Path(args.out) if args.out else None
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(args.seed)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    mo = load_modelopt(args.modelopt, args.modelopt_wheels, args.modelopt_path, args.device)
+    meta = environment(args, mo)
+    log(f"bench_kernels: {meta.get('gpu', 'cpu')} torch {meta['torch']} triton {meta['triton']} "
+        f"dtype {args.dtype} ours backend={args.backend}")
+    log(mo.describe())
+    if args.device == "cuda" and mo.available:
+        log("  (ModelOpt: one scalar λ per launch, compiled in as a constant; decode uses the same kernel, "
+            "no split-K with skipping)")
+    shapes = build_shapes(args)
+    log(f"shapes: {len(shapes)}; targets: {args.sparsities}; budget: {args.time_budget or 'none'} s")
+    records: list[dict] = []
+    status = 0
+    for n, shape in enumerate(shapes):
+        if time.perf_counter() > deadline:
+            records.append({"shape": shape.label, **asdict(shape), "dtype": args.dtype, "variant": "all",
+                            "impl": "-", "error": "skipped: time budget"})
+            log(f"[{n + 1}/{len(shapes)}] {shape.label}: skipped (time budget)")
+            continue
+        log(f"[{n + 1}/{len(shapes)}] {shape.label}")
+        t0 = time.perf_counter()
+        try:
+            def flush(partial: list[dict], done: list[dict] = records) -> None:
+                if out:
+                    write_outputs(out, meta, done + partial, summarize(done + partial))
+
+            recs = run_shape(shape, args, dtype, mo, deadline, log, flush)
+        except Exception as exc:
+            status = 1
+            recs = [{"shape": shape.label, **asdict(shape), "dtype": args.dtype, "variant": "all", "impl": "-",
+                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"}]
+            log(traceback.format_exc())
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        records += recs
+        for r in recs:
+            if str(r.get("check", "")).startswith(("MISMATCH", "ERROR")):
+                status = 1
+        log(f"  done in {time.perf_counter() - t0:.1f} s")
+        if out:
+            write_outputs(out, meta, records, summarize(records))
+    rows = summarize(records)
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    table = format_table(rows)
+    log("")
+    log(table)
+    log(variant_lines(records))
+    log("")
+    log("x own: vs our dense (λ=None); x SDPA: vs the fastest dense SDPA backend; x MO: vs ModelOpt 0.47 at the "
+        "same λ; 2/(2-s): ideal bound for skipping exp + P·V at realized tile sparsity s.")
+    if out:
+        write_outputs(out, meta, records, rows)
+        log(f"results: {out / 'results.json'}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

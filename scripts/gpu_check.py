@@ -1,0 +1,377 @@
+#!/usr/bin/env python
+"""One prepared GPU check: the `gpu`-marked tests, then the kernel benchmark, then one summary table.
+
+Run from the repository root on the GPU machine (nothing is installed from the network):
+
+    python scripts/gpu_check.py --wheels .whl            # logs into $OUT (or gpu_logs/<time>)
+    python scripts/gpu_check.py --dry-run                # CPU rehearsal: collect the gpu tests, CPU bench
+
+Phases, each with its own timeout so the whole run stays under --budget seconds (default 450, i.e. 7.5 min);
+a phase that times out is killed and the next one still runs, and every phase writes its log as it goes:
+
+1. environment  -> env.txt (python, torch, CUDA, GPU, triton, nvidia-smi)
+2. wheels       -> pure-Python wheels in --wheels that are not installed already (pytest, pluggy, ...) are
+                   unzipped into a temporary folder put on PYTHONPATH (or `pip install --no-index --target`
+                   with --pip-install). The nvidia-modelopt wheel is handed to the benchmark, which loads it.
+3. gpu tests    -> pytest.log, pytest.xml (`pytest -m gpu tests/`)
+4. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
+5. summary      -> summary.txt, summary.json (printed last)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata as md
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks" / "bench_kernels.py"
+
+
+class Runner:
+    def __init__(self, out: Path, budget: float):
+        self.out = out
+        self.t0 = time.monotonic()
+        self.budget = budget
+        self.log_fh = open(out / "gpu_check.log", "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed in main
+        self.phases: dict[str, dict] = {}
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def log(self, msg: str = "") -> None:
+        print(msg, flush=True)
+        self.log_fh.write(msg + "\n")
+
+    def run(self, name: str, cmd: list[str], timeout: float, env: dict, log_name: str) -> dict:
+        """Run cmd with a hard timeout (the whole process group is killed), streaming output into a log."""
+        log_path = self.out / log_name
+        info = {"cmd": " ".join(shlex.quote(c) for c in cmd), "log": log_name, "timeout_s": round(timeout, 1)}
+        if timeout < 5:
+            info.update(status="skipped", reason="no time left in the budget")
+            self.log(f"[{name}] skipped: no time left")
+            self.phases[name] = info
+            return info
+        self.log(f"[{name}] {info['cmd']}  (timeout {timeout:.0f} s, log {log_name})")
+        t = time.monotonic()
+        with open(log_path, "w", buffering=1, encoding="utf-8") as fh:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                encoding="utf-8", errors="replace", start_new_session=True, bufsize=1,
+            )
+
+            def pump() -> None:  # copy the child's output into the log and onto our stdout, line by line
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    fh.write(line)
+                    print(f"  {line}", end="", flush=True)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+            finally:
+                if proc.poll() is None:  # interrupted (Ctrl-C): do not leave the child running
+                    _kill_group(proc)
+            reader.join(15)
+            if timed_out:
+                fh.write(f"\n[gpu_check] killed after the {timeout:.0f} s phase timeout\n")
+        rc = proc.returncode
+        info.update(rc=rc, elapsed_s=round(time.monotonic() - t, 1), timed_out=timed_out)
+        info["status"] = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+        if name == "gpu tests" and rc == 5:  # pytest: nothing collected (or everything deselected)
+            info["status"] = "no tests"
+        self.log(f"[{name}] {info['status']} (rc={rc}, {info['elapsed_s']} s)")
+        self.phases[name] = info
+        return info
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, the child's process group (it was started in its own session)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _quick_cmd(cmd: list[str], timeout: float = 20, env: dict | None = None) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return (r.stdout + r.stderr).strip()
+    except Exception as exc:
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def write_env(runner: Runner, env: dict) -> None:
+    probe = (
+        "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, "
+        "'cuda', torch.version.cuda, 'available', torch.cuda.is_available());\n"
+        "if torch.cuda.is_available():\n"
+        "    p = torch.cuda.get_device_properties(0); print('gpu', p.name, 'cc', f'{p.major}.{p.minor}', "
+        "'mem_GiB', round(p.total_memory / 2**30, 1), 'SMs', p.multi_processor_count)\n"
+        "    print('cudnn', torch.backends.cudnn.version())\n"
+        "import importlib.metadata as md\n"
+        "for m in ('triton', 'transformers', 'pytest', 'nvidia-modelopt'):\n"
+        "    try:\n"
+        "        print(m, md.version(m))\n"
+        "    except Exception as e:\n"
+        "        print(m, 'not installed', type(e).__name__)\n"
+    )
+    text = _quick_cmd([sys.executable, "-c", probe], timeout=120, env=env)
+    smi = _quick_cmd(["nvidia-smi"]) if shutil.which("nvidia-smi") else "nvidia-smi: not found"
+    body = f"{text}\n\nPYTHONPATH={env.get('PYTHONPATH', '')}\n\n{smi}\n"
+    (runner.out / "env.txt").write_text(body, encoding="utf-8")
+    runner.log("[env] " + " | ".join(text.splitlines()))
+
+
+def _dist_name(wheel: Path) -> str:
+    return wheel.name.split("-")[0].replace("_", "-").lower()
+
+
+def _wheel_fits(wheel: Path) -> bool:
+    """Pure wheels always; binary wheels only for this interpreter's cpXY tag."""
+    tags = wheel.stem.split("-")[2:]
+    py = tags[0] if tags else "py3"
+    if py.startswith("py") or "none" in tags[1:2] or "abi3" in tags[1:2]:
+        return True
+    return f"cp{sys.version_info.major}{sys.version_info.minor}" in py.split(".")
+
+
+def stage_wheels(runner: Runner, wheels: Path | None, pip_install: bool) -> tuple[str | None, list[str]]:
+    """Make the wheels' packages importable for the child processes; returns (site dir, notes)."""
+    if wheels is None:
+        return None, []
+    if not wheels.is_dir():
+        return None, [f"--wheels {wheels} is not a folder"]
+    notes, todo, staged = [], [], set()
+    for whl in sorted(wheels.glob("*.whl")):
+        name = _dist_name(whl)
+        if name in staged:
+            notes.append(f"{whl.name}: skipped, another {name} wheel is used")
+            continue
+        if name == "nvidia-modelopt":
+            notes.append(f"{whl.name}: passed to the benchmark (--modelopt-wheels)")
+            continue
+        try:
+            notes.append(f"{whl.name}: skipped, {name} {md.version(name)} already installed")
+            continue
+        except md.PackageNotFoundError:
+            pass
+        if not _wheel_fits(whl):
+            notes.append(f"{whl.name}: skipped, not built for this Python")
+            continue
+        todo.append(whl)
+        staged.add(name)
+    if not todo:
+        return None, notes
+    site = tempfile.mkdtemp(prefix="gpu_check_site_")
+    if pip_install:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", site, *map(str, todo)]
+        out = _quick_cmd(cmd, timeout=120)
+        notes.append(f"pip install --no-index --target: {out.splitlines()[-1] if out else ''}")
+    else:
+        for whl in todo:
+            with zipfile.ZipFile(whl) as zf:
+                zf.extractall(site)
+            notes.append(f"{whl.name}: unzipped")
+    return site, notes
+
+
+def parse_junit(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for s in suites:
+        for k in tot:
+            tot[k] += int(s.get(k, 0))
+        for case in s.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(f"{case.get('classname')}::{case.get('name')}")
+    tot["passed"] = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+    tot["failed_tests"] = failed
+    return tot
+
+
+def pytest_tail(log: Path) -> str:
+    if not log.is_file():
+        return ""
+    lines = [x for x in log.read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+    for line in reversed(lines):
+        if re.search(r"\b(passed|failed|skipped|error|no tests ran|deselected)\b", line):
+            return line.strip("= ").strip()
+    return lines[-1] if lines else ""
+
+
+def _f(x, fmt: str) -> str:
+    if x is None:
+        width = "".join(c for c in fmt.split(".")[0] if c.isdigit())
+        return "-".rjust(int(width or 0))
+    return format(x, fmt)
+
+
+def summary_table(rows: list[dict]) -> str:
+    head = (f"{'shape':<44} {'dtype':<5} {'case':<6} {'sparsity':>8} {'ours ms':>9} {'SDPA ms':>9} {'MO ms':>9} "
+            f"{'x SDPA':>6} {'x own':>6} {'x MO':>6} {'2/(2-s)':>7}  note")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        note = r.get("error") or r.get("check") or ""
+        if r.get("sdpa_backend"):
+            note = f"[{r['sdpa_backend']}] {note}".strip()
+        lines.append(
+            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<6} {_f(r['sparsity'], '8.3f')} {_f(r['ours_ms'], '9.3f')} "
+            f"{_f(r['sdpa_ms'], '9.3f')} {_f(r['modelopt_ms'], '9.3f')} {_f(r['speedup_vs_sdpa'], '6.2f')} "
+            f"{_f(r['speedup_vs_own_dense'], '6.2f')} {_f(r['speedup_vs_modelopt'], '6.2f')} "
+            f"{_f(r['bound'], '7.2f')}  {note}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="log folder (default: $OUT if set, else gpu_logs/<UTC time>)")
+    p.add_argument("--wheels", default=None, help="folder of wheels carried along (.whl); nothing is downloaded")
+    p.add_argument("--pip-install", action="store_true",
+                   help="pip install --no-index --no-deps --target instead of unzip")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    p.add_argument("--tests-timeout", type=float, default=170.0)
+    p.add_argument("--tests-path", default=None, help="default: tests (tests/unit with --dry-run)")
+    p.add_argument("--bench-args", default="", help="extra arguments for bench_kernels.py, one string")
+    p.add_argument("--quick", action="store_true", help="quick benchmark shapes")
+    p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU rehearsal: collect the gpu tests only and run the CPU benchmark (--quick)")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = os.environ.get("OUT") or str(REPO / "gpu_logs" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with contextlib.suppress(Exception):  # never die on a non-UTF-8 console
+        sys.stdout.reconfigure(encoding="utf-8", errors="replace")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(out, args.budget)
+    runner.log(f"gpu_check: out={out} budget={args.budget:.0f} s dry_run={args.dry_run} "
+               f"start={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+
+    site, notes = stage_wheels(runner, Path(args.wheels).resolve() if args.wheels else None, args.pip_install)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), site, env.get("PYTHONPATH")) if x)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONIOENCODING"] = "utf-8"
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "gpu_check_inductor"))
+    for n in notes:
+        runner.log(f"[wheels] {n}")
+    write_env(runner, env)
+
+    # Phase: gpu tests.
+    if not args.skip_tests:
+        tests_path = args.tests_path or ("tests/unit" if args.dry_run else "tests")
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", tests_path, "-p", "no:cacheprovider", "-rA",
+               "--continue-on-collection-errors", f"--junitxml={out / 'pytest.xml'}"]
+        cmd += ["--collect-only", "-q"] if args.dry_run else ["-q"]
+        bench_reserve = 0 if args.skip_bench else (60 if args.dry_run else 200)
+        timeout = min(args.tests_timeout, runner.left() - bench_reserve - 15)
+        runner.run("gpu tests", cmd, timeout, env, "pytest.log")
+    # Phase: benchmark.
+    bench_out = out / "bench"
+    if not args.skip_bench:
+        timeout = runner.left() - 15
+        device = "cpu" if args.dry_run else "cuda"
+        cmd = [sys.executable, str(BENCH), "--device", device, "--out", str(bench_out),
+               "--time-budget", f"{max(10.0, timeout - (20 if args.dry_run else 75)):.0f}"]
+        if args.quick or args.dry_run:
+            cmd.append("--quick")
+        if args.wheels:
+            cmd += ["--modelopt-wheels", str(Path(args.wheels).resolve())]
+        if args.dry_run:
+            cmd += ["--modelopt", "kernel-only"]
+        cmd += shlex.split(args.bench_args)
+        runner.run("benchmark", cmd, timeout, env, "bench.log")
+
+    # Phase: summary.
+    summary: dict = {"out": str(out), "dry_run": args.dry_run, "phases": runner.phases, "wheels": notes}
+    lines = ["", "=" * 30 + " GPU CHECK SUMMARY " + "=" * 30]
+    env_txt = (out / "env.txt").read_text(encoding="utf-8").splitlines() if (out / "env.txt").is_file() else []
+    keep = ("python", "torch", "gpu", "cudnn", "triton", "pytest", "nvidia-modelopt")
+    lines += [x for x in env_txt if x.startswith(keep)]
+    if "gpu tests" in runner.phases:
+        ph = runner.phases["gpu tests"]
+        junit = parse_junit(out / "pytest.xml")
+        summary["tests"] = junit
+        tail = pytest_tail(out / "pytest.log")
+        if junit and not args.dry_run:
+            lines.append(f"gpu tests: {ph['status']}: {junit['passed']} passed, {junit['failures']} failed, "
+                         f"{junit['errors']} errors, {junit['skipped']} skipped  ({tail})")
+            lines += [f"  FAILED {t}" for t in junit["failed_tests"]]
+        else:
+            lines.append(f"gpu tests: {ph['status']} ({tail or ph.get('reason', '')})")
+    data: dict = {}
+    res = bench_out / "results.json"
+    if res.is_file():
+        try:
+            data = json.loads(res.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            lines.append(f"benchmark: results.json unreadable ({exc})")
+    rows, meta = data.get("summary", []), data.get("meta", {})
+    if "benchmark" in runner.phases:
+        ph = runner.phases["benchmark"]
+        lines.append(f"benchmark: {ph['status']} ({ph.get('elapsed_s', '-')} s), {len(rows)} rows; "
+                     f"{meta.get('modelopt', 'ModelOpt baseline: unknown (no results)')}")
+        skipped = sorted({r["shape"] for r in data.get("records", []) if "time budget" in str(r.get("error"))})
+        if skipped:
+            lines.append(f"  not (fully) reached in the time budget: {', '.join(skipped)}")
+    summary["bench_meta"] = meta
+    summary["bench_rows"] = rows
+    table_txt = bench_out / "table.txt"
+    variants = [x for x in table_txt.read_text(encoding="utf-8").splitlines() if "compiled variants" in x] \
+        if table_txt.is_file() else []
+    lines += ["", summary_table(rows) if rows else "(no benchmark rows)", *variants, "",
+              "x SDPA: vs the fastest dense SDPA backend (named in the note); x own: vs our dense kernel (λ=None); "
+              "x MO: vs ModelOpt 0.47 at the same λ; 2/(2-s): ideal bound at realized tile sparsity s.",
+              f"total {time.monotonic() - runner.t0:.0f} s; logs in {out}"]
+    text = "\n".join(lines)
+    (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
+    runner.log(text)
+    runner.log_fh.close()
+    fine = ("ok", "no tests") if args.dry_run else ("ok",)
+    bad = [n for n, ph in runner.phases.items() if ph.get("status") not in fine]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

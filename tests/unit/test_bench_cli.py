@@ -1,0 +1,95 @@
+"""The kernel benchmark and the GPU check script run end to end on the CPU (small shapes, dry run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH")) if x)
+    env.pop("OUT", None)
+    return env
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_kernels_cpu_quick(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_kernels.py"), "--device", "cpu", "--quick",
+           "--out", str(out), "--modelopt", "kernel-only", "--sparsities", "0.5,0.7", "--target-seconds", "0.05"]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ModelOpt baseline:" in r.stdout
+    assert "2/(2-s)" in r.stdout
+    data = json.loads((out / "results.json").read_text())
+    rows = data["summary"]
+    assert {row["case"] for row in rows} >= {"dense", "tiny", "s50", "s70"}
+    assert {row["shape"].split()[0] for row in rows} == {"prefill", "decode"}
+    for row in rows:
+        assert row["ours_ms"] and row["ours_ms"] > 0, row
+        assert row["sdpa_ms"] and row["sdpa_ms"] > 0, row
+        assert not row["error"], row
+    dense = [row for row in rows if row["case"] == "dense"]
+    assert all(row["check"] == "ok" for row in dense), dense  # our dense output matches SDPA dense
+    tiny = [row for row in rows if row["case"] == "tiny"]
+    assert all(row["sparsity"] == 0.0 for row in tiny), tiny
+    for row in rows:
+        if row["case"] == "s50":
+            assert 0.35 <= row["sparsity"] <= 0.65, row  # the λ search hit the target on this data
+            assert abs(row["bound"] - 2 / (2 - row["sparsity"])) < 1e-9
+    for name in ("results.csv", "summary.csv", "table.txt"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_bench_shapes_and_args():
+    bench = _load(REPO / "benchmarks" / "bench_kernels.py", "bench_kernels_under_test")
+    args = bench.parse_args(["--device", "cpu", "--prefill-lens", "1024,2048", "--decode-shapes", "2:4096",
+                             "--page-sizes", "16,64", "--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+    shapes = bench.build_shapes(args)
+    labels = [s.label for s in shapes]
+    assert labels[0].startswith("prefill B=1 L=1k") and labels[1].startswith("decode B=2 L=4k")
+    assert any(s.page_size == 64 for s in shapes)
+    assert args.dtype == "fp32" and args.backend == "torch"
+    inp = bench.Inputs(bench.Shape("decode", 2, 300, 4, 2, 64, 16), bench.DTYPES["fp32"], "cpu", seed=0)
+    # The paged cache holds exactly the contiguous copy SDPA sees.
+    for b in range(2):
+        pages = inp.block_table[b].long()
+        k = inp.k_cache[pages].reshape(-1, 2, 64)[:300]
+        assert (k.permute(1, 0, 2) == inp.k_dense[b]).all()
+    assert inp.q.abs().sum() > 0 and inp.v_dense.std() > 0.5
+
+
+def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
+    check = _load(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
+    monkeypatch.setenv("OUT", str(tmp_path / "from_env"))
+    assert check.parse_args([]).out == str(tmp_path / "from_env")
+    assert check.parse_args(["--out", "x", "--budget", "60"]).budget == 60
+
+    out = tmp_path / "check"
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out),
+           "--tests-path", "tests/unit/kernels", "--budget", "150",
+           "--bench-args", "--sparsities 0.5 --prefill-lens 1024 --decode-shapes 2:2048 --target-seconds 0.05"]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    text = (out / "summary.txt").read_text()
+    assert "GPU CHECK SUMMARY" in text and "gpu tests:" in text and "benchmark: ok" in text
+    assert "prefill B=1 L=1k" in text and "decode B=2 L=2k" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phases"]["benchmark"]["status"] == "ok"
+    assert summary["bench_rows"]
+    for name in ("gpu_check.log", "env.txt", "pytest.log", "bench.log", "bench/results.json"):
+        assert (out / name).is_file(), name
