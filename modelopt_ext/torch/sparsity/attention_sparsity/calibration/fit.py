@@ -296,3 +296,19 @@ def plot_fit(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def points_from_merged_record(record: Mapping[str, Any]) -> dict[str, list[FitPoint]]:
+    """Fit points per phase from a merged vLLM calibration record (plugins/vllm_calibration_records.py).
+
+    The record already sums the raw counts of every layer and rank per sequence-step, so each entry is one
+    sample: a prefill chunk or a decode step, with its own kv_len.
+    """
+    kv_lens = np.asarray(record["kv_lens"], dtype=np.int64)
+    is_decode = np.asarray(record["is_decode"], dtype=bool)
+    counts = np.asarray(record["counts"], dtype=np.int64)
+    samples = [
+        CalibrationRecord("decode" if d else "prefill", int(k), c)
+        for k, d, c in zip(kv_lens.tolist(), is_decode.tolist(), counts, strict=True)
+    ]
+    return aggregate_counts(samples, record["scale_factors"])

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Serve a checkpoint with calibrated skip-softmax sparse attention through vLLM's OpenAI-compatible server.
+
+    python examples/vllm_serve/vllm_serve_sparse_attn.py <ckpt> [any vllm serve arguments]
+
+The checkpoint's `sparse_attention_config` (written by calibrate_sparse_attn.py) is validated here, before the
+model loads; then this process becomes vLLM's API server (same PID) with the sparse-attention worker class,
+which swaps every attention layer's impl after the model loads and logs which layers run sparse. A checkpoint
+without the block serves dense. Realized sparsity: the worker logs it every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY
+steps, and `collective_rpc("sparse_attn_status")` returns it (with VLLM_SERVER_DEV_MODE=1, also over HTTP:
+POST /collective_rpc {"method": "sparse_attn_status"}).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+logger = logging.getLogger("vllm_serve_sparse_attn")
+
+USAGE = "usage: vllm_serve_sparse_attn.py <checkpoint> [vllm serve arguments]"
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """Fail before the model loads on a malformed config; say clearly when the checkpoint serves dense."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        SparseAttentionConfigError,
+        load_sparse_attention_config,
+    )
+
+    if not (ckpt / "config.json").is_file():
+        raise SystemExit(f"error: {ckpt} is not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        settings = load_sparse_attention_config(ckpt)
+    except SparseAttentionConfigError as exc:
+        raise SystemExit(
+            f"error: {exc}\nfix the block or re-run calibrate_sparse_attn.py --update_checkpoint_config"
+        ) from None
+    if settings is None:
+        logger.warning("%s has no sparse_attention_config: serving DENSE attention "
+                       "(run calibrate_sparse_attn.py --update_checkpoint_config first)", ckpt)
+        return
+    for phase in ("prefill", "decode"):
+        calib = settings.phase(phase)
+        logger.info("%s: %s", phase, "dense" if calib is None else
+                    f"target sparsity {calib.target_sparsity:.2f}, scale factor {calib.scale_factor:.4g}")
+
+
+def server_command(ckpt: Path, extra: list[str], worker_cls: str) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
+    if not any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in extra):
+        cmd += ["--worker-cls", worker_cls]
+    return cmd
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__)
+        return 0 if argv else 2
+    ckpt = Path(argv[0]).resolve()
+    check_checkpoint(ckpt)
+
+    sys.path.insert(0, str(HERE))
+    from sparse_attn_worker import default_worker_cls
+    from vllm.platforms import current_platform
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    if current_platform.is_cpu():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
+    cmd = server_command(ckpt, argv[1:], default_worker_cls())
+    logger.info("starting: %s", " ".join(cmd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)  # keep the PID: stopping this process stops the server
+    return 0  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Worker-side glue for vLLM: install sparse attention after the model loads, answer RPCs, log sparsity.
+
+Two ways in, one implementation:
+
+- `SparseAttnWorkerMixin`, mixed into vLLM's GPU or CPU worker class (see examples/vllm_serve/sparse_attn_worker.py)
+  and passed as `worker_cls`; its methods are reachable through `LLM.collective_rpc("sparse_attn_...")`.
+- `register()`, the vLLM general-plugin entry point (`vllm.general_plugins`): it adds the same behaviour to vLLM's
+  own `Worker` class, so plain `vllm serve <ckpt>` of a checkpoint carrying `sparse_attention_config` serves sparse.
+  `MODELOPT_EXT_SPARSE_ATTN=0` turns that off.
+
+vLLM has no public post-load hook for workers, so both wrap `Worker.load_model` (and `execute_model` for the
+periodic sparsity log line); nothing else of vLLM is patched here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from .sparse_attn_config import SparseAttentionSettings, parse_sparse_attention_config, settings_from_hf_config
+
+logger = logging.getLogger(__name__)
+
+ENV_ENABLE = "MODELOPT_EXT_SPARSE_ATTN"
+ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
+ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
+DEFAULT_LOG_EVERY = 256
+_PATCHED = "_modelopt_ext_patched"
+
+
+def route_logs_through_vllm() -> None:
+    """Show this package's log lines in vLLM's processes, with vLLM's handlers, format and level.
+
+    vLLM configures only its own `vllm` logger; without this, our INFO lines (which layers run sparse, the
+    periodic realized sparsity) would be dropped in worker processes. Leaves any user-configured handler alone.
+    """
+    ours = logging.getLogger("modelopt_ext")
+    vllm_logger = logging.getLogger("vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level or logging.INFO)
+    ours.propagate = False
+
+
+def sparse_attention_enabled() -> bool:
+    """False when the user switched the plugin off with MODELOPT_EXT_SPARSE_ATTN=0 (or false/off/no)."""
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _kernel_backend() -> str:
+    return os.environ.get(ENV_BACKEND, "auto")
+
+
+def _log_every() -> int:
+    try:
+        return max(0, int(os.environ.get(ENV_LOG_EVERY, DEFAULT_LOG_EVERY)))
+    except ValueError:
+        return DEFAULT_LOG_EVERY
+
+
+def worker_model(worker):
+    """The nn.Module a vLLM worker runs (GPU and CPU runners, model runner V1 and V2)."""
+    runner = worker.model_runner
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
+def checkpoint_settings(worker) -> SparseAttentionSettings | None:
+    """The checkpoint's `sparse_attention_config` as settings (None: the checkpoint carries none)."""
+    return settings_from_hf_config(worker.vllm_config.model_config.hf_config)
+
+
+def summarize_stats(stats: dict) -> dict:
+    """Sum per-layer (visited, skipped) tile counts into per-phase totals and realized sparsity."""
+    totals = {}
+    for phase in ("prefill", "decode"):
+        visited = sum(layer[phase]["visited"] for layer in stats.values())
+        skipped = sum(layer[phase]["skipped"] for layer in stats.values())
+        totals[phase] = {
+            "visited": visited,
+            "skipped": skipped,
+            "sparsity": (skipped / visited) if visited else None,
+        }
+    return totals
+
+
+def install_for_serving(worker, settings: SparseAttentionSettings | None = None):
+    """Install serve-mode sparse attention from `settings` or the checkpoint; None when there is nothing to do."""
+    from . import vllm as vllm_plugin
+
+    if settings is None:
+        settings = checkpoint_settings(worker)
+    if settings is None:
+        logger.info("checkpoint has no sparse_attention_config: serving dense attention")
+        return None
+    report = vllm_plugin.install_sparse_attention(
+        worker_model(worker), settings, mode="serve", backend=_kernel_backend(), vllm_config=worker.vllm_config
+    )
+    backends = sorted(set(report.native_impls.values()))
+    logger.info(
+        "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s",
+        len(report.installed) + len(report.unchanged) + len(report.reconfigured),
+        ", ".join(backends) or "-",
+        len(report.disabled),
+        _describe_phase(settings.prefill),
+        _describe_phase(settings.decode),
+    )
+    return report
+
+
+def _describe_phase(calib) -> str:
+    if calib is None:
+        return "dense"
+    return f"target {calib.target_sparsity:.2f} (scale factor {calib.scale_factor:.4g})"
+
+
+class SparseAttnWorkerMixin:
+    """Sparse attention for a vLLM worker: installed after `load_model`; RPC methods for calibration and status."""
+
+    _sparse_attn_steps = 0
+
+    def load_model(self, *args, **kwargs):
+        result = super().load_model(*args, **kwargs)
+        route_logs_through_vllm()
+        if sparse_attention_enabled():
+            install_for_serving(self)
+        else:
+            logger.info("%s=0: sparse attention not installed", ENV_ENABLE)
+        return result
+
+    def execute_model(self, *args, **kwargs):
+        result = super().execute_model(*args, **kwargs)
+        _maybe_log_sparsity(self)
+        return result
+
+    # ---- RPCs (LLM.collective_rpc("<name>", args=...)); arguments and results are plain data ----
+
+    def sparse_attn_enable_calibration(self, scale_factors, backend: str | None = None) -> dict:
+        """Switch every attention layer to calibration mode (dense output, counts per scale-factor trial)."""
+        from . import vllm as vllm_plugin
+
+        settings = checkpoint_settings(self)
+        report = vllm_plugin.install_sparse_attention(
+            worker_model(self),
+            settings,
+            mode="calibrate",
+            backend=backend or _kernel_backend(),
+            calibration_scale_factors=list(scale_factors),
+            vllm_config=self.vllm_config,
+        )
+        vllm_plugin.collect_calibration_records(worker_model(self), reset=True)
+        return {"layers": len(report.native_impls), "native_impls": sorted(set(report.native_impls.values()))}
+
+    def sparse_attn_collect_counts(self, reset: bool = True) -> list[dict]:
+        """This rank's calibration records, one per layer (see plugins/vllm_calibration_records.py)."""
+        from . import vllm as vllm_plugin
+
+        return vllm_plugin.collect_calibration_records(worker_model(self), reset=reset)
+
+    def sparse_attn_serve(self, config_block: dict | None = None) -> dict:
+        """(Re)install serve mode from a `sparse_attention_config` block, or from the checkpoint when None."""
+        settings = parse_sparse_attention_config(config_block) if config_block is not None else None
+        report = install_for_serving(self, settings)
+        return {"layers": 0 if report is None else len(report.native_impls)}
+
+    def sparse_attn_status(self) -> dict:
+        """Which layers run sparse, on which native backend, in which mode, and the realized sparsity per phase."""
+        from . import vllm as vllm_plugin
+
+        model = worker_model(self)
+        layers = {}
+        for name, layer in vllm_plugin._layers(model):
+            impl = layer.impl
+            layers[name] = {"impl": type(impl).__name__, "sparse": isinstance(impl, vllm_plugin._SPARSE_CLASSES)}
+        stats = vllm_plugin.get_sparsity_stats(model)
+        return {
+            "enabled": sparse_attention_enabled(),
+            "layers": layers,
+            "sparse_layers": sum(1 for v in layers.values() if v["sparse"]),
+            "realized": summarize_stats(stats),
+        }
+
+    def sparse_attn_reset_stats(self) -> None:
+        from . import vllm as vllm_plugin
+
+        vllm_plugin.reset_sparsity_stats(worker_model(self))
+
+
+def _maybe_log_sparsity(worker) -> None:
+    every = _log_every()
+    if not every:
+        return
+    worker._sparse_attn_steps = getattr(worker, "_sparse_attn_steps", 0) + 1
+    if worker._sparse_attn_steps % every:
+        return
+    from . import vllm as vllm_plugin
+
+    totals = summarize_stats(vllm_plugin.get_sparsity_stats(worker_model(worker)))
+    if any(t["visited"] for t in totals.values()):
+        logger.info(
+            "sparse attention after %d steps: realized sparsity prefill %s, decode %s",
+            worker._sparse_attn_steps,
+            _fmt(totals["prefill"]["sparsity"]),
+            _fmt(totals["decode"]["sparsity"]),
+        )
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _patch_worker_class(cls) -> None:
+    """Give vLLM's own worker class the mixin's behaviour (general-plugin path), once."""
+    if getattr(cls, _PATCHED, False):
+        return
+    original_load = cls.load_model
+    original_execute = cls.execute_model
+
+    @functools.wraps(original_load)
+    def load_model(self, *args, **kwargs):
+        result = original_load(self, *args, **kwargs)
+        if not isinstance(self, SparseAttnWorkerMixin) and sparse_attention_enabled():
+            route_logs_through_vllm()
+            install_for_serving(self)
+        return result
+
+    @functools.wraps(original_execute)
+    def execute_model(self, *args, **kwargs):
+        result = original_execute(self, *args, **kwargs)
+        if not isinstance(self, SparseAttnWorkerMixin):
+            _maybe_log_sparsity(self)
+        return result
+
+    cls.load_model = load_model
+    cls.execute_model = execute_model
+    for name in (
+        "sparse_attn_status",
+        "sparse_attn_reset_stats",
+        "sparse_attn_serve",
+        "sparse_attn_collect_counts",
+        "sparse_attn_enable_calibration",
+    ):
+        if not hasattr(cls, name):
+            setattr(cls, name, getattr(SparseAttnWorkerMixin, name))
+    setattr(cls, _PATCHED, True)
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: make vLLM's workers install sparse attention from the checkpoint.
+
+    The patch is always applied; MODELOPT_EXT_SPARSE_ATTN is read when each model loads.
+    """
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception as exc:  # pragma: no cover - depends on the vLLM build
+        logger.warning("modelopt-ext: cannot patch vLLM's Worker (%s); sparse attention needs --worker-cls", exc)
+        return
+    _patch_worker_class(Worker)
+    for module, name in (("vllm.v1.worker.cpu_worker", "CPUWorker"),):
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except Exception:  # CPU worker absent or not importable on this build
+            continue
+        if "execute_model" in cls.__dict__ or "load_model" in cls.__dict__:
+            _patch_worker_class(cls)

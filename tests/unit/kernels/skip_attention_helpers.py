@@ -1,0 +1,297 @@
+"""Test helpers for the skip-softmax kernels: input builders, cache layouts and a float64 oracle of the docs.
+
+The oracle (`oracle`) is written straight from docs/skip_softmax.md with loops over (sequence, head, query
+block, key block): it is independent of reference.py, so tests can pin the documented semantics on both
+backends. It also returns, per sequence, every visited tile's statistic `G = max over valid rows of
+(tile max - running max)` (a tile is skipped iff G < ln λ), which `safe_lambdas` uses to keep test thresholds
+away from decision boundaries (float32 rounding must not flip a decision between backends).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from modelopt_ext.torch.kernels.sparsity.attention import semantics
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import DECODE_SPLIT_TOKENS, TILE_K, TILE_Q
+
+LAYOUTS = ("nhd", "nhd5", "hnd5", "packed", "cpu_t")
+"""Cache layouts: plain NHD; NHD view of [blocks, 2, page, H, D]; HND-strided [blocks, 2, H, page, D];
+packed [blocks, H, page, 2D] split into K/V; vLLM-CPU style K transposed per (block, head) (last-dim stride = page).
+"""
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    scale: float
+    q_lens: list[int]
+    kv_lens: list[int]
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    def args(self):
+        return self.q, self.k_cache, self.v_cache, self.block_table, self.cu_seqlens_q, self.seq_lens_k
+
+    def subset(self, b: int) -> Case:
+        """Sequence `b` alone (same cache, its own block-table row)."""
+        q0 = int(self.cu_seqlens_q[b])
+        q1 = int(self.cu_seqlens_q[b + 1])
+        return Case(
+            q=self.q[q0:q1],
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            block_table=self.block_table[b : b + 1],
+            cu_seqlens_q=torch.tensor([0, q1 - q0], dtype=torch.int32),
+            seq_lens_k=self.seq_lens_k[b : b + 1],
+            scale=self.scale,
+            q_lens=[self.q_lens[b]],
+            kv_lens=[self.kv_lens[b]],
+        )
+
+
+def make_cache_views(k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy logical [blocks, page, H, D] K/V into `layout` storage; return [blocks, page, H, D] views of it."""
+    nb, page, h, d = k.shape
+    if layout == "nhd":
+        return k.clone(), v.clone()
+    if layout == "nhd5":
+        c = torch.empty(nb, 2, page, h, d, dtype=k.dtype)
+        kv, vv = c[:, 0], c[:, 1]
+    elif layout == "hnd5":
+        c = torch.empty(nb, 2, h, page, d, dtype=k.dtype)
+        kv, vv = c[:, 0].transpose(1, 2), c[:, 1].transpose(1, 2)
+    elif layout == "packed":
+        c = torch.empty(nb, h, page, 2 * d, dtype=k.dtype)
+        kv, vv = c[..., :d].transpose(1, 2), c[..., d:].transpose(1, 2)
+    elif layout == "cpu_t":
+        # [blocks, H, 2*page, D] region per (block, head): K stored transposed [D, page], then V as [page, D].
+        c = torch.empty(nb, h, 2 * page * d, dtype=k.dtype)
+        kv = c[:, :, : page * d].reshape(nb, h, d, page).permute(0, 3, 1, 2)
+        vv = c[:, :, page * d :].reshape(nb, h, page, d).transpose(1, 2)
+        assert kv.stride(3) == page
+    else:
+        raise ValueError(layout)
+    kv.copy_(k)
+    vv.copy_(v)
+    return kv, vv
+
+
+def make_case(
+    q_lens: list[int],
+    kv_lens: list[int] | None = None,
+    *,
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 64,
+    page: int = 16,
+    dtype=torch.float32,
+    layout: str = "nhd",
+    seed: int = 0,
+    spread: float = 1.0,
+    extra_blocks: int = 3,
+) -> Case:
+    """Random paged inputs with realistic score spread (an attention sink and a few spiky keys per sequence).
+
+    Scores mix noise (~N(0, 1)) with a shared direction per KV head: the first keys (sink) and ~5 % of the others
+    are aligned with the queries, so later tiles sit several nats below the running max (skippable at moderate
+    λ) while spiky tiles are not. Block tables are shuffled; `extra_blocks` unused pages hold random data.
+    """
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = list(q_lens) if kv_lens is None else list(kv_lens)
+    assert all(kv >= ql for ql, kv in zip(q_lens, kv_lens, strict=True))
+    batch = len(q_lens)
+    total_q = sum(q_lens)
+    group = hq // hkv
+    n_pages = [max(1, math.ceil(kv / page)) for kv in kv_lens]
+    nb = sum(n_pages) + extra_blocks
+    perm = torch.randperm(nb, generator=g)
+    width = max(n_pages) + 1
+    bt = torch.randint(0, nb, (batch, width), generator=g, dtype=torch.int32)  # junk past each sequence's pages
+    i = 0
+    for b in range(batch):
+        bt[b, : n_pages[b]] = perm[i : i + n_pages[b]].to(torch.int32)
+        i += n_pages[b]
+
+    u = torch.randn(hkv, d, generator=g)
+    u = u / u.norm(dim=-1, keepdim=True) * math.sqrt(d)  # |u|^2 = d
+    q = torch.randn(total_q, hq, d, generator=g) * 0.7
+    q += torch.repeat_interleave(u, group, dim=0).unsqueeze(0) * (0.5 + 0.5 * torch.rand(total_q, hq, 1, generator=g))
+    # Logical K/V per sequence position, then scattered into pages.
+    k = torch.randn(nb, page, hkv, d, generator=g) * 0.7
+    v = torch.randn(nb, page, hkv, d, generator=g)
+    for b in range(batch):
+        kv = kv_lens[b]
+        beta = 0.25 * torch.randn(kv, hkv, generator=g)
+        beta[: min(kv, 2)] += spread * 1.1  # attention sink
+        spikes = torch.rand(kv, hkv, generator=g) < 0.05
+        beta = torch.where(spikes, spread * (0.5 + 0.6 * torch.rand(kv, hkv, generator=g)), beta)
+        pos = torch.arange(kv)
+        pages = bt[b, pos // page].long()
+        k[pages, pos % page] += beta.unsqueeze(-1) * u.unsqueeze(0)
+    q = q.to(dtype)
+    k = k.to(dtype)
+    v = v.to(dtype)
+    k_cache, v_cache = make_cache_views(k, v, layout)
+    cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    return Case(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=bt,
+        cu_seqlens_q=cu,
+        seq_lens_k=torch.tensor(kv_lens, dtype=torch.int32),
+        scale=d**-0.5,
+        q_lens=list(q_lens),
+        kv_lens=kv_lens,
+    )
+
+
+def gather_dense(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[kv_len, H, D] float64 keys/values of one sequence, position by position through the block table."""
+    page = cache.shape[1]
+    pos = torch.arange(kv_len)
+    return cache[pages[pos // page].long(), pos % page].to(torch.float64)
+
+
+def dense_attention_f64(case: Case) -> torch.Tensor:
+    """Plain float64 causal-suffix attention (no tiles): [total_q, Hq, D]."""
+    total_q, hq, d = case.q.shape
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64)
+    group = hq // case.k_cache.shape[2]
+    for b in range(case.batch):
+        q0, ql, kv = int(case.cu_seqlens_q[b]), case.q_lens[b], case.kv_lens[b]
+        if ql == 0:
+            continue
+        k = gather_dense(case.k_cache, case.block_table[b], kv)
+        v = gather_dense(case.v_cache, case.block_table[b], kv)
+        q = case.q[q0 : q0 + ql].to(torch.float64)
+        for h in range(hq):
+            s = case.scale * q[:, h] @ k[:, h // group].T  # [ql, kv]
+            mask = torch.arange(kv)[None, :] <= (kv - ql + torch.arange(ql))[:, None]
+            s = s.masked_fill(~mask, -math.inf)
+            out[q0 : q0 + ql, h] = torch.softmax(s, dim=-1) @ v[:, h // group]
+    return out
+
+
+@dataclass
+class OracleResult:
+    out: torch.Tensor  # float64 [total_q, Hq, D]
+    counts: torch.Tensor  # int64 [B, T, 2]
+    tile_stats: list[torch.Tensor]  # per sequence: G of every visited tile (float64)
+
+
+def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False) -> OracleResult:
+    """float64 implementation of docs/skip_softmax.md, tile by tile.
+
+    `log_lams`: [B, T] ln λ (-inf = dense) or None. Serving (calibrate=False) skips the tiles of trial 0;
+    calibration keeps the output dense and counts every trial.
+    """
+    total_q, hq, d = case.q.shape
+    group = hq // case.k_cache.shape[2]
+    n_trials = 1 if log_lams is None else log_lams.shape[1]
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64)
+    counts = torch.zeros(case.batch, n_trials, 2, dtype=torch.int64)
+    stats = []
+    for b in range(case.batch):
+        q0, ql, kv = int(case.cu_seqlens_q[b]), case.q_lens[b], case.kv_lens[b]
+        seq_stats = []
+        if ql == 0:
+            stats.append(torch.zeros(0, dtype=torch.float64))
+            continue
+        lams = None if log_lams is None else log_lams[b].to(torch.float64)
+        k = gather_dense(case.k_cache, case.block_table[b], kv)
+        v = gather_dense(case.v_cache, case.block_table[b], kv)
+        q = case.q[q0 : q0 + ql].to(torch.float64)
+        last_key = kv - ql + torch.arange(ql)  # per row
+        decode = ql == 1
+        kk = k.repeat_interleave(group, dim=1).permute(1, 2, 0)  # [Hq, D, kv]
+        s = case.scale * torch.matmul(q.permute(1, 0, 2), kk)  # [Hq, ql, kv]
+        visible = torch.arange(kv)[None, :] <= last_key[:, None]  # [ql, kv]
+        s = s.masked_fill(~visible, -math.inf)
+        keep = visible.expand(hq, ql, kv).clone()
+        # Running max before each tile, per head and row (reset at decode split starts), and tile maxima.
+        n_kb = math.ceil(kv / TILE_K)
+        tile_max = torch.stack([s[..., kb * TILE_K : (kb + 1) * TILE_K].amax(-1) for kb in range(n_kb)], -1)
+        m_before = torch.full_like(tile_max, -math.inf)
+        for kb in range(1, n_kb):
+            split_start = decode and kb % (DECODE_SPLIT_TOKENS // TILE_K) == 0
+            if not split_start:
+                m_before[..., kb] = torch.maximum(m_before[..., kb - 1], tile_max[..., kb - 1])
+        gap = tile_max - m_before  # +inf where m = -inf (first tile of a row / split)
+        row_blocks = [(0, 1)] if decode else [(r0, min(r0 + TILE_Q, ql)) for r0 in range(0, ql, TILE_Q)]
+        for h in range(hq):
+            for r0, r1 in row_blocks:
+                for kb in range(int(last_key[r1 - 1]) // TILE_K + 1):  # the visited tiles of this query block
+                    k0, k1 = kb * TILE_K, min((kb + 1) * TILE_K, kv)
+                    valid = last_key[r0:r1] >= k0  # rows that see at least one key of the tile
+                    assert valid.any()
+                    g_stat = gap[h, r0:r1, kb][valid].max().item()
+                    seq_stats.append(g_stat)
+                    counts[b, :, 0] += 1
+                    if lams is not None:
+                        skipped = g_stat < lams  # [T]
+                        counts[b, :, 1] += skipped.to(torch.int64)
+                        if not calibrate and bool(skipped[0]):
+                            keep[h, r0:r1, k0:k1] = False
+        p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1)  # [Hq, ql, kv]
+        out[q0 : q0 + ql] = torch.matmul(p, v.repeat_interleave(group, dim=1).transpose(0, 1)).transpose(0, 1)
+        stats.append(torch.tensor(seq_stats, dtype=torch.float64))
+    return OracleResult(out=out, counts=counts if log_lams is not None else None, tile_stats=stats)
+
+
+def safe_log_lambda(log_lam: float, stats: torch.Tensor, margin: float = 2e-3) -> float:
+    """Move ln λ off every finite tile statistic by at least `margin` (relative to |G| when larger than 1)."""
+    finite = stats[torch.isfinite(stats)]
+    x = float(log_lam)
+    for _ in range(1000):
+        tol = margin * torch.clamp(finite.abs(), min=1.0)
+        if finite.numel() == 0 or not bool(((finite - x).abs() < tol).any()):
+            return x
+        x -= margin
+    raise AssertionError("no safe threshold found")
+
+
+def safe_lambdas(case: Case, lams: torch.Tensor) -> torch.Tensor:
+    """[B] or [B, T] λ (in (0, 1)) nudged so that no tile sits within rounding distance of a decision boundary."""
+    stats = oracle_stats(case)
+    flat = lams.reshape(case.batch, -1).clone().to(torch.float64)
+    for b in range(case.batch):
+        for t in range(flat.shape[1]):
+            lam = float(flat[b, t])
+            if 0.0 < lam < 1.0:
+                flat[b, t] = math.exp(safe_log_lambda(math.log(lam), stats[b]))
+    return flat.reshape(lams.shape).to(torch.float32)
+
+
+def oracle_stats(case: Case) -> list[torch.Tensor]:
+    return oracle(case, None).tile_stats
+
+
+def quantile_lambda(case: Case, b: int, quantile: float) -> float:
+    """A safe λ that skips about `quantile` of sequence b's skippable tiles."""
+    stats = oracle_stats(case)[b]
+    finite = stats[torch.isfinite(stats)]
+    if finite.numel() == 0:  # a single tile per row (or an empty sequence): nothing can be skipped
+        return 0.5
+    lam = math.exp(float(torch.quantile(finite, quantile)) + 1e-2)
+    return math.exp(safe_log_lambda(math.log(min(lam, 0.999)), stats))
+
+
+def log_lams_tensor(lams, batch: int) -> torch.Tensor:
+    """ln λ [B, T] float32 as api.py builds it (dense → -inf)."""
+    t = torch.as_tensor(lams, dtype=torch.float32)
+    if t.dim() == 0:
+        t = t.expand(batch)
+    if t.dim() == 1:
+        t = t.unsqueeze(1)
+    return semantics.log_thresholds(t)

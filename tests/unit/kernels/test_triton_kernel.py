@@ -1,0 +1,230 @@
+"""Triton backend vs the PyTorch reference (and the float64 oracle of docs/skip_softmax.md).
+
+On CPU-only machines Triton runs under its interpreter (conftest.py sets TRITON_INTERPRET=1): fp16 / fp32 only,
+bf16 loads are wrong there, so bf16 is checked by the `gpu` tests. Outputs are compared with stated tolerances,
+counts for equality; thresholds are kept away from decision boundaries (`safe_lambdas`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from skip_attention_helpers import dense_attention_f64, log_lams_tensor, make_case, oracle, safe_lambdas
+
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention, triton_kernel
+from modelopt_ext.torch.kernels.sparsity.attention.reference import paged_skip_softmax_attention_reference
+from modelopt_ext.torch.kernels.sparsity.attention.triton_kernel import paged_skip_softmax_attention_triton
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (atol, rtol) Triton vs reference: both accumulate in fp32; fp16 differs by the fp16 P in P·V and output rounding.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def both(case, log_lams, calibrate=False, **kw):
+    """Run reference and Triton backends directly (normalised arguments), `out` poisoned with NaN."""
+    results = []
+    for fn in (paged_skip_softmax_attention_reference, paged_skip_softmax_attention_triton):
+        out = torch.full((case.q.shape[0] + 2, *case.q.shape[1:]), math.nan, dtype=case.q.dtype, device=case.q.device)
+        counts = fn(*case.args(), softmax_scale=case.scale, log_lams=log_lams, calibrate=calibrate, out=out, **kw)
+        assert torch.isnan(out[case.q.shape[0] :]).all()
+        results.append((out[: case.q.shape[0]], counts))
+    return results
+
+
+def assert_same(results, dtype):
+    (o_ref, c_ref), (o_tri, c_tri) = results
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(o_tri.float(), o_ref.float(), atol=atol, rtol=rtol)
+    if c_ref is None:
+        assert c_tri is None
+    else:
+        assert c_tri.dtype == torch.int64 and torch.equal(c_tri.cpu(), c_ref.cpu())
+
+
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_matches_reference_gqa_and_pages(group, page):
+    hkv = 2 if group <= 3 else 1
+    case = make_case([70, 1, 2, 0], [140, 260, 40, 3], hq=group * hkv, hkv=hkv, d=32, page=page, seed=group * page)
+    gen = torch.Generator().manual_seed(group * page)
+    lams = torch.exp(torch.empty(case.batch).uniform_(math.log(1e-3), math.log(0.5), generator=gen))  # per sequence
+    lams = safe_lambdas(case, lams)
+    log_lams = log_lams_tensor(lams, case.batch)
+    results = both(case, log_lams)
+    assert_same(results, torch.float32)
+    counts = results[1][1]
+    assert torch.equal(counts, oracle(case, log_lams).counts)
+    # calibration on the same inputs: one trial per sequence's λ plus a shared one
+    trials = torch.cat([lams[:, None], torch.full((case.batch, 1), 0.2)], dim=1)
+    trials = safe_lambdas(case, trials)
+    cal = both(case, log_lams_tensor(trials, case.batch), calibrate=True)
+    assert_same(cal, torch.float32)
+    assert torch.equal(cal[1][1][:, 0], counts[:, 0])
+    assert cal[1][1][..., 1].sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_matches_reference_fp16_fp32(dtype):
+    case = make_case([130, 1, 64, 1], [200, 300, 64, 65], hq=4, hkv=2, d=64, page=32, dtype=dtype, seed=5)
+    lams = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.1, 0.3]))
+    results = both(case, log_lams_tensor(lams, case.batch))
+    assert_same(results, dtype)
+    assert results[1][1][..., 1].sum() > 0
+    dense = both(case, None)
+    assert_same(dense, dtype)
+    atol = 4e-3 if dtype == torch.float16 else 3e-5
+    torch.testing.assert_close(dense[1][0].double(), dense_attention_f64(case), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("d", [16, 80, 128, 256])
+def test_head_sizes(d):
+    case = make_case([66, 1], [70, 90], hq=2, hkv=1, d=d, page=16, seed=d)
+    lams = safe_lambdas(case, torch.tensor([0.3, 0.3]))
+    assert_same(both(case, log_lams_tensor(lams, 2)), torch.float32)
+
+
+def test_decode_split_merge_with_max_seqlen_hint():
+    case = make_case([1, 1, 5], [4200, 100, 2100], hq=4, hkv=1, d=16, page=64, seed=3)
+    lams = safe_lambdas(case, torch.tensor([0.1, 0.1, 0.1]))
+    log_lams = log_lams_tensor(lams, 3)
+    base = both(case, log_lams)
+    assert_same(base, torch.float32)
+    assert base[1][1][0, 0, 1] > 0
+    out = torch.full_like(case.q, math.nan)
+    counts = paged_skip_softmax_attention_triton(
+        *case.args(), softmax_scale=case.scale, log_lams=log_lams, calibrate=False, out=out, max_seqlen_k=4200
+    )
+    assert torch.equal(out, base[1][0]) and torch.equal(counts, base[1][1])
+
+
+def test_cpu_transposed_key_view_any_strides():
+    """The vLLM-CPU K view (last-dim stride = page) also works in Triton: strides are runtime arguments."""
+    case = make_case([65, 1], [80, 70], hq=2, hkv=1, d=32, page=16, layout="cpu_t", seed=4)
+    assert case.k_cache.stride(-1) == 16
+    lams = safe_lambdas(case, torch.tensor([0.2, 0.2]))
+    assert_same(both(case, log_lams_tensor(lams, 2)), torch.float32)
+
+
+def test_api_dispatches_to_triton():
+    case = make_case([65, 1], [80, 70], hq=2, hkv=1, d=32, seed=6)
+    lams = safe_lambdas(case, torch.tensor([0.2, 0.2]))
+    outs = [
+        paged_skip_softmax_attention(
+            *case.args(), softmax_scale=case.scale, skip_threshold=lams, return_skip_counts=True, backend=backend
+        )
+        for backend in ("torch", "triton")
+    ]
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-5, rtol=1e-4)
+    assert torch.equal(outs[1][1], outs[0][1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"d": 8}, ValueError, "head sizes"),
+        ({"d": 512}, ValueError, "head sizes"),
+        ({"page": 8}, ValueError, "page size"),
+        ({"page": 48}, ValueError, "page size"),
+        ({"dtype": torch.float64}, TypeError, "backend='torch'"),
+    ],
+)
+def test_unsupported_inputs_raise_clear_errors(kwargs, error, match):
+    case = make_case([3], [3], hq=2, hkv=1, **{"d": 32, **kwargs})
+    with pytest.raises(error, match=match):
+        paged_skip_softmax_attention(*case.args(), softmax_scale=case.scale, backend="triton")
+
+
+def test_serving_needs_one_trial():
+    case = make_case([3], [3], hq=2, hkv=1, d=32)
+    with pytest.raises(ValueError, match="T == 1"):
+        paged_skip_softmax_attention_triton(
+            *case.args(), softmax_scale=case.scale, log_lams=torch.zeros(1, 2), calibrate=False, out=case.q.clone()
+        )
+
+
+def _constexpr_params(kernel) -> set[str]:
+    fn = kernel.fn  # JITFunction and the interpreter's InterpretedFunction both keep the Python function
+    return {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+@pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
+def test_lambda_and_lengths_are_runtime_arguments(kernel):
+    """λ (log_lams), the scale, lengths and strides are runtime values; constexprs are geometry and mode only."""
+    allowed = {
+        "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
+        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS",
+    }  # fmt: skip
+    params = _constexpr_params(getattr(triton_kernel, kernel))
+    assert params and params <= allowed, params - allowed
+
+
+def _compiled_variants(kernel) -> int:
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_new_lambda_does_not_recompile():
+    """Needs a GPU: under the interpreter there is no compile cache to count."""
+    case = make_case([130, 1], [200, 3000], hq=4, hkv=2, d=64, page=16, dtype=torch.float16, seed=1)
+    lams = [safe_lambdas(case, torch.tensor(lam)).tolist() for lam in ([0.1, 0.01], [0.3, 0.001], [0.05, 1.0])]
+    case = _to_cuda(case)
+    kernels = (triton_kernel._prefill_kernel, triton_kernel._decode_kernel, triton_kernel._decode_merge_kernel)
+    out = torch.empty_like(case.q)
+
+    def call(lam):
+        paged_skip_softmax_attention_triton(
+            *case.args(), softmax_scale=case.scale, log_lams=log_lams_tensor(lam, 2).cuda(), calibrate=False, out=out
+        )
+
+    call(lams[0])
+    before = [_compiled_variants(k) for k in kernels]
+    for lam in (*lams[1:], [math.nan, 0.2]):
+        call(lam)
+    torch.cuda.synchronize()
+    assert [_compiled_variants(k) for k in kernels] == before
+
+
+def _to_cuda(case):
+    for name in ("q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens_k"):
+        setattr(case, name, getattr(case, name).cuda())
+    return case
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["nhd", "hnd5", "packed"])
+def test_gpu_matches_reference(dtype, layout):
+    case = make_case(
+        [300, 1, 1, 77, 0, 1], [900, 5000, 40, 77, 3, 2049], hq=8, hkv=2, d=128, page=16, dtype=dtype, layout=layout,
+        seed=11,
+    )  # fmt: skip
+    lams = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.1, 0.3, 0.5, 0.01]))
+    trials = safe_lambdas(case, torch.tensor([1e-3, 1e-2, 0.1, 0.5]).expand(case.batch, -1).contiguous())
+    case = _to_cuda(case)
+    results = both(case, log_lams_tensor(lams, case.batch).cuda())
+    assert_same(results, dtype)
+    assert results[1][1][..., 1].sum() > 0
+    assert_same(both(case, log_lams_tensor(trials, case.batch).cuda(), calibrate=True), dtype)
+    assert_same(both(case, None), dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_int64_metadata_and_padded_queries(backend):
+    """int64 block table / lengths, and q padded past cu_seqlens_q[-1] (CUDA-graph padding): pad rows untouched."""
+    case = make_case([65, 1], [80, 70], hq=2, hkv=1, d=32, seed=13)
+    lams = safe_lambdas(case, torch.tensor([0.2, 0.2]))
+    expected = oracle(case, log_lams_tensor(lams, 2))
+    q = torch.cat([case.q, torch.randn(5, 2, 32)])
+    out = torch.full_like(q, math.nan)
+    _, counts = paged_skip_softmax_attention(
+        q, case.k_cache, case.v_cache, case.block_table.long(), case.cu_seqlens_q.long(), case.seq_lens_k.long(),
+        softmax_scale=case.scale, skip_threshold=lams, return_skip_counts=True, out=out, backend=backend,
+    )  # fmt: skip
+    assert torch.equal(counts, expected.counts)
+    torch.testing.assert_close(out[:66].double(), expected.out, atol=3e-5, rtol=1e-4)
+    assert torch.isnan(out[66:]).all()
