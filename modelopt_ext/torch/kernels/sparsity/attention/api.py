@@ -16,6 +16,12 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
+def _warn_fallback(reason: str) -> None:
+    logger.warning("skip-softmax attention: the Triton kernel does not cover this input (%s); "
+                   "using the PyTorch reference", reason)
+
+
+@functools.cache
 def triton_available() -> bool:
     """True when Triton imports (on the CPU it runs only under TRITON_INTERPRET=1, set before import)."""
     try:
@@ -25,11 +31,19 @@ def triton_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if q.is_cuda and triton_available() else "torch"
+        if not (q.is_cuda and triton_available()):
+            return "torch"
+        from .triton_kernel import unsupported_reason
+
+        reason = unsupported_reason(q, k_cache)
+        if reason is not None:
+            _warn_fallback(reason)
+            return "torch"
+        return "triton"
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
     return backend
@@ -49,6 +63,7 @@ def paged_skip_softmax_attention(
     return_skip_counts: bool = False,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    max_seqlen_k: int | None = None,
 ):
     """Causal varlen attention over a paged KV cache, skipping tiles per docs/skip_softmax.md.
 
@@ -62,7 +77,10 @@ def paged_skip_softmax_attention(
         threshold_trials: calibration λ trials ([T] or [B, T]); the output stays dense.
         return_skip_counts: also return [B, 1, 2] (visited, skipped) tile counts of what was skipped.
         out: optional [>= total_q, Hq, D] output; rows past total_q are left untouched.
-        backend: "torch" (reference), "triton", or "auto" (Triton on CUDA when available).
+        backend: "torch" (reference), "triton", or "auto" (Triton on CUDA when it covers the input, else the
+            reference, with one warning).
+        max_seqlen_k: optional host int bounding every `seq_lens_k` (e.g. vLLM's `max_seq_len`); lets the Triton
+            decode path size its split-K workspace without a device read.
 
     Returns:
         `out`, or `(out, counts)` with counts [B, T, 2] int64 when `threshold_trials` or `return_skip_counts`.
@@ -85,13 +103,13 @@ def paged_skip_softmax_attention(
         log_lams = None if lam is None else log_thresholds(lam).unsqueeze(1)
     want_counts = calibrate or return_skip_counts
 
-    chosen = _resolve_backend(backend, q)
+    chosen = _resolve_backend(backend, q, k_cache)
     if chosen == "triton":
         from .triton_kernel import paged_skip_softmax_attention_triton
 
         counts = paged_skip_softmax_attention_triton(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
-            softmax_scale=softmax_scale, log_lams=log_lams, calibrate=calibrate, out=out,
+            softmax_scale=softmax_scale, log_lams=log_lams, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k,
         )
     else:
         counts = paged_skip_softmax_attention_reference(
