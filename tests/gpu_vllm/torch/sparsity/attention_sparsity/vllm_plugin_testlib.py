@@ -1,0 +1,353 @@
+"""Helpers of the vLLM plugin tests: real vLLM layers, caches in every layout, paged batches, references.
+
+The tests run on the CPU with the official vLLM wheel. Two vLLM construction probes need a GPU or a model and are
+patched (vLLM code only, never ours): FlashInferImpl.__init__ sizes a CUDA buffer when a VllmConfig is current, and
+CPUAttentionBackendImpl.__init__ reads the model dtype. CUDA custom ops are absent; the plugin then writes the cache
+with its torch equivalent, and the `fake_cache_op` fixture registers a faithful torch `reshape_and_cache_flash`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import types
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.v1.attention.backends import cpu_attn, flash_attn, flashinfer
+
+BACKENDS = {
+    "flashinfer": flashinfer.FlashInferBackend,
+    "flash_attn": flash_attn.FlashAttentionBackend,
+    "cpu_attn": cpu_attn.CPUAttentionBackend,
+}
+_NAMES = itertools.count()
+
+
+def new_layer(
+    vllm_config, backend: str, *, num_heads=4, num_kv_heads=2, head_size=32, prefix=None, **kwargs
+) -> Attention:
+    """A real vLLM `Attention` layer with its real native impl (two vLLM device/model probes patched)."""
+    prefix = prefix or f"model.layers.{next(_NAMES)}.{backend}.attn"
+    fake_cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
+    with (
+        set_current_vllm_config(vllm_config),
+        mock.patch.object(flashinfer, "get_current_vllm_config_or_none", lambda: None),
+        mock.patch.object(cpu_attn, "get_current_vllm_config", lambda: fake_cfg),
+    ):
+        layer = Attention(
+            num_heads, head_size, head_size**-0.5, num_kv_heads, prefix=prefix, attn_backend=BACKENDS[backend], **kwargs
+        )
+    if backend == "cpu_attn":
+        layer.isa = "vec"  # what CPUAttentionMetadataBuilder._set_isa_to_layers does on this machine
+    return layer
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache layouts: each kind gives the tensor the impl receives and, independently, the storage offset of every
+# (block, token, head, dim) element of K and V, written from the layout's definition.
+
+
+@dataclass
+class Cache:
+    kind: str
+    raw: torch.Tensor  # 1D storage (typed)
+    kv_cache: torch.Tensor  # what vLLM hands the impl
+    off_k: torch.Tensor  # [nb, page, H, D] int64 offsets into raw
+    off_v: torch.Tensor
+
+    def write(self, k_rows, v_rows, slots, page):
+        blk, pos = slots // page, slots % page
+        self.raw[self.off_k[blk, pos]] = k_rows.to(self.raw.dtype)
+        self.raw[self.off_v[blk, pos]] = v_rows.to(self.raw.dtype)
+
+    def k(self):
+        return self.raw[self.off_k]
+
+    def v(self):
+        return self.raw[self.off_v]
+
+
+PACKED_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+CACHE_KINDS = (
+    "legacy_nhd",
+    "legacy_hnd",
+    *(f"packed_{n}" for n in PACKED_LAYOUTS),
+    "cpu",
+    "fa_kv_first",
+    "fa_kv_first_hnd",
+    "fa_blocks_first",
+)
+
+
+def make_cache(kind: str, nb: int, page: int, heads: int, dim: int, dtype=torch.float32) -> Cache:
+    b, t, h, d = torch.meshgrid(
+        torch.arange(nb), torch.arange(page), torch.arange(heads), torch.arange(dim), indexing="ij"
+    )
+    if kind in ("legacy_nhd", "fa_blocks_first", "legacy_hnd"):
+        raw = torch.randn(nb * 2 * page * heads * dim, dtype=dtype)
+        if kind == "legacy_hnd":  # physical [nb, 2, H, N, D], logical [nb, 2, N, H, D] through strides
+            kv = raw.view(nb, 2, heads, page, dim).permute(0, 1, 3, 2, 4)
+            off = lambda s: (((b * 2 + s) * heads + h) * page + t) * dim + d  # noqa: E731
+        else:
+            kv = raw.view(nb, 2, page, heads, dim)
+            off = lambda s: (((b * 2 + s) * page + t) * heads + h) * dim + d  # noqa: E731
+        return Cache(kind, raw, kv, off(0), off(1))
+    if kind in ("fa_kv_first", "fa_kv_first_hnd"):
+        raw = torch.randn(2 * nb * page * heads * dim, dtype=dtype)
+        if kind == "fa_kv_first_hnd":
+            kv = raw.view(2, nb, heads, page, dim).permute(0, 1, 3, 2, 4)
+            off = lambda s: (((s * nb + b) * heads + h) * page + t) * dim + d  # noqa: E731
+        else:
+            kv = raw.view(2, nb, page, heads, dim)
+            off = lambda s: (((s * nb + b) * page + t) * heads + h) * dim + d  # noqa: E731
+        return Cache(kind, raw, kv, off(0), off(1))
+    if kind == "cpu":  # [nb, H, N, 2D]; per block-head: K as [D, N] (transposed), then V as [N, D]
+        raw = torch.randn(nb * heads * page * 2 * dim, dtype=dtype)
+        region = (b * heads + h) * page * 2 * dim
+        return Cache(
+            kind, raw, raw.view(nb, heads, page, 2 * dim), region + d * page + t, region + page * dim + t * dim + d
+        )
+    if kind.startswith("packed_"):
+        return _packed_cache(kind, nb, page, heads, dim, dtype, (b, t, h, d))
+    raise ValueError(kind)
+
+
+def _packed_cache(kind, nb, page, heads, dim, dtype, grid):
+    """Layer 1 of a 2-layer allocation, viewed exactly as vLLM 0.33 does (create_kv_cache_views)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layer_kv_cache_shape_bytes,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[kind.split("_", 1)[1]]
+    spec = FullAttentionSpec(block_size=page, num_kv_heads=heads, head_size=dim, dtype=dtype)
+    strides = compute_layout_strides(spec, nb, 2, layout)  # bytes, logical [L, B, H, N, C]
+    size = math.prod((2, *compute_layer_kv_cache_shape_bytes(spec, nb)))
+    raw_bytes = torch.empty(size, dtype=torch.int8)
+    tensor = KVCacheTensor(size=size, layers=["l0", "l1"], layer_stride=strides[0], block_stride=strides[1])
+    kv = create_kv_cache_views(raw_bytes, spec, nb, layout, tensor)[1]
+    raw = raw_bytes.view(dtype)
+    raw.copy_(torch.randn_like(raw))
+    item = raw.element_size()
+    s_l, s_b, s_h, s_n, s_c = strides
+    assert s_c == 1, "the content axis is innermost, in bytes"
+    b, t, h, d = grid
+    base = (s_l + b * s_b + h * s_h + t * s_n) // item  # layer 1, in elements
+    return Cache(kind, raw, kv, base + d, base + dim + d)
+
+
+def cache_kind_for(backend: str) -> str:
+    return {"flashinfer": "packed_LBNHC", "flash_attn": "packed_LBNHC", "cpu_attn": "cpu"}[backend]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Paged batches
+
+
+@dataclass
+class Batch:
+    q_lens: list[int]
+    kv_lens: list[int]
+    q: torch.Tensor  # [total_q, Hq, D]
+    k_new: torch.Tensor  # [total_q, Hkv, D]
+    v_new: torch.Tensor
+    k_seq: list[torch.Tensor]  # per sequence [kv_len, Hkv, D] (float64)
+    v_seq: list[torch.Tensor]
+    block_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [total_q] int64, slots of the new tokens
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def make_batch(
+    q_lens, kv_lens, *, heads=4, kv_heads=2, dim=32, page=16, num_blocks=64, dtype=torch.float32, gen=None
+) -> Batch:
+    gen = gen or torch.Generator().manual_seed(0)
+    max_pages = max((n + page - 1) // page for n in kv_lens)
+    perm = torch.randperm(num_blocks, generator=gen)
+    needed = sum((n + page - 1) // page for n in kv_lens)
+    assert needed <= num_blocks, "not enough cache blocks for this batch"
+    block_table = torch.zeros(len(kv_lens), max_pages, dtype=torch.int32)
+    used = 0
+    k_seq, v_seq, slots, k_new, v_new = [], [], [], [], []
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        n_pages = (kl + page - 1) // page
+        block_table[i, :n_pages] = perm[used : used + n_pages].to(torch.int32)
+        used += n_pages
+        k = torch.randn(kl, kv_heads, dim, generator=gen, dtype=torch.float64)
+        v = torch.randn(kl, kv_heads, dim, generator=gen, dtype=torch.float64)
+        k_seq.append(k.to(dtype).to(torch.float64))
+        v_seq.append(v.to(dtype).to(torch.float64))
+        pos = torch.arange(kl - ql, kl)
+        slots.append(block_table[i, pos // page].long() * page + pos % page)
+        k_new.append(k[kl - ql :].to(dtype))
+        v_new.append(v[kl - ql :].to(dtype))
+    total = sum(q_lens)
+    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return Batch(
+        list(q_lens),
+        list(kv_lens),
+        q,
+        torch.cat(k_new),
+        torch.cat(v_new),
+        k_seq,
+        v_seq,
+        block_table,
+        torch.cat(slots),
+        qsl,
+        torch.tensor(kv_lens, dtype=torch.int32),
+    )
+
+
+def fill_prefix(cache: Cache, batch: Batch, page: int) -> None:
+    """Write every sequence's earlier tokens (not the new ones) by the layout's own offsets."""
+    for i, (ql, kl) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        pos = torch.arange(0, kl - ql)
+        if len(pos) == 0:
+            continue
+        slots = batch.block_table[i, pos // page].long() * page + pos % page
+        cache.write(batch.k_seq[i][: kl - ql], batch.v_seq[i][: kl - ql], slots, page)
+
+
+def dense_reference(batch: Batch, scale: float) -> torch.Tensor:
+    """Float64 causal attention of each sequence's new queries over its keys (suffix-aligned)."""
+    outs = []
+    for i, (ql, kl) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        q = batch.q[int(batch.query_start_loc[i]) : int(batch.query_start_loc[i + 1])].to(torch.float64)
+        k, v = batch.k_seq[i], batch.v_seq[i]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        visible = torch.arange(kl)[None, :] <= (kl - ql + torch.arange(ql))[:, None]
+        s = s.masked_fill(~visible, -math.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v))
+    return torch.cat(outs)
+
+
+def contiguous_caches(batch: Batch, num_blocks: int, page: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same paged K/V as plain contiguous [nb, page, H, D] caches, for the kernel-on-contiguous comparison."""
+    heads, dim = batch.k_seq[0].shape[1:]
+    k = torch.zeros(num_blocks, page, heads, dim, dtype=dtype)
+    v = torch.zeros_like(k)
+    for i, kl in enumerate(batch.kv_lens):
+        pos = torch.arange(kl)
+        blk, off = batch.block_table[i, pos // page].long(), pos % page
+        k[blk, off] = batch.k_seq[i].to(dtype)
+        v[blk, off] = batch.v_seq[i].to(dtype)
+    return k, v
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Metadata and the real layer forward
+
+
+def backend_metadata(backend: str, batch: Batch, *, pad_tokens: int = 0):
+    """The metadata vLLM 0.33's builder would produce for this batch (FlashInfer: through the wrapped build)."""
+    n = batch.num_tokens
+    slot_mapping = batch.slot_mapping
+    if backend == "flash_attn":
+        return flash_attn.FlashAttentionMetadata(
+            num_actual_tokens=n,
+            max_query_len=max(batch.q_lens),
+            query_start_loc=batch.query_start_loc,
+            max_seq_len=max(batch.kv_lens),
+            seq_lens=batch.seq_lens,
+            block_table=batch.block_table,
+            slot_mapping=slot_mapping,
+        )
+    if backend == "cpu_attn":
+        return cpu_attn.CPUAttentionMetadata(
+            num_actual_tokens=n,
+            max_query_len=max(batch.q_lens),
+            query_start_loc=batch.query_start_loc,
+            max_seq_len=max(batch.kv_lens),
+            seq_lens=batch.seq_lens,
+            block_table=batch.block_table,
+            slot_mapping=slot_mapping,
+            scheduler_metadata=None,
+        )
+    return CPUBuildableFlashInferBuilder.make().build(0, common_metadata(batch, pad_tokens=pad_tokens))
+
+
+def common_metadata(batch: Batch, *, pad_tokens: int = 0):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc,
+        query_start_loc_cpu=batch.query_start_loc.clone(),
+        seq_lens=batch.seq_lens,
+        num_reqs=len(batch.q_lens),
+        num_actual_tokens=batch.num_tokens,
+        max_query_len=max(batch.q_lens),
+        max_seq_len=max(batch.kv_lens),
+        block_table_tensor=batch.block_table,
+        slot_mapping=batch.slot_mapping,
+    )
+
+
+class CPUBuildableFlashInferBuilder(flashinfer.FlashInferMetadataBuilder):
+    """The real builder class with a CPU stand-in for its CUDA planning step, keeping the real `build` signature.
+
+    FlashInferMetadataBuilder cannot be constructed here (its __init__ needs a model config and a CUDA
+    platform) and its build plans FlashInfer's CUDA wrappers. The stand-in returns the real FlashInferMetadata
+    dataclass with the fields a native build sets; the plugin wraps it exactly as it wraps the real class.
+    """
+
+    @classmethod
+    def make(cls):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        self = object.__new__(cls)
+        self.reorder_batch_threshold = 1
+        self._layout = KVCacheLayout.LBNHC
+        return self
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+        cam = common_attn_metadata
+        nd, npf, ndt, npt = split_decodes_and_prefills(cam, decode_threshold=self.reorder_batch_threshold)
+        return flashinfer.FlashInferMetadata(
+            kv_cache_layout=self._layout,
+            num_actual_tokens=cam.num_actual_tokens,
+            slot_mapping=cam.slot_mapping,
+            q_data_type_prefill=torch.float32,
+            q_data_type_decode=torch.float32,
+            num_decodes=nd,
+            num_decode_tokens=ndt,
+            num_prefills=npf,
+            num_prefill_tokens=npt,
+            causal=True,
+            prefill=None,
+            decode=None,
+        )
+
+
+def run_layer(layer: Attention, vllm_config, batch: Batch, metadata, *, pad_tokens: int = 0):
+    """Run the REAL `Attention.forward` (flag dispatch, unified_kv_cache_update, impl.forward) on one batch.
+
+    Returns the layer output [num_tokens + pad_tokens, Hq * D]; padded query rows are zeros.
+    """
+    heads, dim = layer.num_heads, layer.head_size
+    kv_heads = layer.num_kv_heads
+    pad = lambda x, w: torch.cat([x.reshape(x.shape[0], -1), torch.zeros(pad_tokens, w, dtype=x.dtype)])  # noqa
+    q, k, v = pad(batch.q, heads * dim), pad(batch.k_new, kv_heads * dim), pad(batch.v_new, kv_heads * dim)
+    with set_forward_context(
+        {layer.layer_name: metadata}, vllm_config, slot_mapping={layer.layer_name: batch.slot_mapping}
+    ):
+        return layer(q, k, v)
