@@ -49,10 +49,21 @@ def check_checkpoint(ckpt: Path) -> None:
                     f"target sparsity {calib.target_sparsity:.2f}, scale factor {calib.scale_factor:.4g}")
 
 
-def server_command(ckpt: Path, extra: list[str], worker_cls: str) -> list[str]:
+def _has_flag(args: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in args for n in names)
+
+
+def server_command(ckpt: Path, extra: list[str], worker_cls: str, *, gpu: bool) -> list[str]:
+    """vLLM's API server command line; on GPU, piecewise CUDA graphs unless the user chose otherwise.
+
+    The sparse impl plans λ per step on the host, so full CUDA graphs (which replay attention without that
+    step) are refused at install; piecewise graphs run attention eagerly between the captured pieces.
+    """
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
-    if not any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in extra):
+    if not _has_flag(extra, "--worker-cls"):
         cmd += ["--worker-cls", worker_cls]
+    if gpu and not _has_flag(extra, "--enforce-eager", "--compilation-config", "-cc", "-O"):
+        cmd += ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}']
     return cmd
 
 
@@ -73,7 +84,7 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if current_platform.is_cpu():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
-    cmd = server_command(ckpt, argv[1:], default_worker_cls())
+    cmd = server_command(ckpt, argv[1:], default_worker_cls(), gpu=current_platform.is_cuda_alike())
     logger.info("starting: %s", " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,45 @@
+"""The real vLLM CPU engine serves the real SmolLM2 checkpoint correctly (the base of every e2e test)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+KV_CACHE_BYTES = 256 * 2**20
+
+
+def _attention_impls(worker) -> list[str]:
+    """Runs inside the worker (in-process engine): the attention impl class of each attention layer."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    model = worker.model_runner.model
+    return sorted(
+        {f"{type(m.impl).__module__}.{type(m.impl).__qualname__}" for m in model.modules() if isinstance(m, Attention)}
+    )
+
+
+def test_greedy_capital_of_france(smollm2_checkpoint, vllm_cpu_inprocess):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(smollm2_checkpoint),
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        seed=0,
+    )
+    try:
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+        text = out[0].outputs[0].text
+        assert "Paris" in text, text
+        # The impl the sparse plugin will replace on CPU (DESIGN.md section 4): a vLLM upgrade that changes it
+        # should fail here first, not deep inside a sparse-serving test.
+        (impls,) = llm.collective_rpc(_attention_impls)
+        assert impls == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"], impls
+    finally:
+        del llm
+        gc.collect()
