@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""`make demo`: serve the embedded default model with vLLM's OpenAI server on the CPU engine and query it.
+"""`make demo`: the whole product on the embedded default, on vLLM's CPU engine, no GPU needed.
 
-Today this is DENSE serving only: it proves the environment, the offline SmolLM2 checkpoint and vLLM's
-HTTP API work on a machine without a GPU. The sparse flow (calibrate -> export the
-sparse_attention_config -> serve with the skip-softmax impls) lands with issue 5 and slots into
-``main()`` as extra steps before ``serve()``.
+1. calibrate skip-softmax thresholds for SmolLM2-135M through vLLM (examples/vllm_serve/calibrate_sparse_attn.py,
+   a few short RULER-style prompts so it takes minutes, not hours);
+2. export the fit into a copy of the checkpoint's config.json (`sparse_attention_config`);
+3. serve that checkpoint with vLLM's OpenAI server and the sparse attention impls
+   (examples/vllm_serve/vllm_serve_sparse_attn.py);
+4. send real completions over HTTP, print the replies and the realized sparsity per phase; stop the server.
 
-Run it with the interpreter of .venv-cpu (the server is started with ``--python``, default: this one).
+Run it with the interpreter of .venv-cpu (the scripts run with ``--python``, default: this one).
 Only the standard library is used here, so the client side never depends on vLLM.
 """
 
@@ -16,11 +18,11 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,37 @@ from pathlib import Path
 
 log = logging.getLogger("demo")
 REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "vllm_serve"
+LONG_PROMPT = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range(150)) + " Item 42 is in drawer"
+
+
+def private_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint whose config.json we may rewrite; the large files are linked, not copied."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            shutil.copy2(f, dst / f.name)
+        elif not f.name.startswith("."):
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
+    """Run the calibration example on a few short prompts (in-process engine) and update `ckpt`'s config."""
+    output = out_dir / "sparse_attention_config.json"
+    cmd = [
+        python, str(EXAMPLES / "calibrate_sparse_attn.py"), str(ckpt),
+        "--target_sparse_ratio", str(target), "--calib_samples", "4", "--calib_max_seqlen", "1024",
+        "--decode_tokens", "8", "--dtype", "float32", "--output", str(output), "--update_checkpoint_config",
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    log.info("calibrating: %s", " ".join(cmd))
+    subprocess.run(cmd, env=env, check=True)
+    return output
 
 
 def free_port() -> int:
@@ -47,10 +80,9 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> 
 
 @contextmanager
 def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[str], start_timeout: float):
-    """Start vLLM's OpenAI server on the CPU engine; yield its base URL; always stop it by its PID."""
+    """Start the sparse-attention OpenAI server on the CPU engine; yield its base URL; always stop it by its PID."""
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", model.name,
+        python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(model), "--served-model-name", model.name,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
         *extra_args,
@@ -58,6 +90,8 @@ def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM would otherwise claim most of the RAM
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # POST /collective_rpc: the sparse_attn_status RPC
+    env.setdefault("MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY", "8")
     log.info("starting: %s (log: %s)", " ".join(cmd), log_path)
     with log_path.open("wb") as out:
         # Own session: if SIGTERM to the server is not enough, its engine children can be reached by group id.
@@ -105,9 +139,12 @@ def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Dense-serving demo on vLLM's CPU engine (sparse flow: issue 5).")
+    ap = argparse.ArgumentParser(description="calibrate -> export -> serve -> request, on vLLM's CPU engine.")
     ap.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
     ap.add_argument("--python", default=sys.executable, help="interpreter with vllm-cpu (.venv-cpu)")
+    ap.add_argument("--workdir", type=Path, default=REPO / "artifacts" / "demo",
+                    help="where the calibrated checkpoint copy, the config, the plot and the logs go")
+    ap.add_argument("--target", type=float, default=0.5, help="target sparsity for both phases")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -120,27 +157,36 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").exists():
         log.error("no checkpoint at %s; run `make model` first", model)
         return 2
-    print("== modelopt-ext demo: DENSE serving on vLLM's CPU engine "
-          "(sparse calibrate -> export -> serve lands with issue 5) ==", flush=True)  # fmt: skip
-    port = args.port or free_port()
-    log_dir = Path(tempfile.mkdtemp(prefix="modelopt-ext-demo-"))
+    print("== modelopt-ext demo: calibrate -> export -> serve -> request, SmolLM2-135M on vLLM's CPU engine ==",
+          flush=True)
     t0 = time.monotonic()
-    with serve(args.python, model, port, log_dir / "server.log", args.server_args, args.start_timeout) as base:
-        payload = {
-            "model": model.name,
-            "prompt": args.prompt,
-            "max_tokens": args.max_tokens,
-            "temperature": 0.0,
-        }
-        t1 = time.monotonic()
-        reply = http_json(f"{base}/v1/completions", payload)
-        latency = time.monotonic() - t1
-    text = reply["choices"][0]["text"]
-    usage = reply.get("usage", {})
-    print(f"prompt : {args.prompt!r}")
-    print(f"reply  : {text!r}")
-    print(f"tokens : {usage.get('completion_tokens')} in {latency:.2f} s; total demo {time.monotonic() - t0:.1f} s")
-    print(f"server log: {log_dir / 'server.log'}")
+    workdir = args.workdir.resolve()
+    ckpt = private_checkpoint(model, workdir / model.name)
+    config_path = calibrate(args.python, ckpt, workdir, args.target)
+    t_cal = time.monotonic() - t0
+    block = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
+    scale = block["config_groups"]["group_0"]["threshold_scale_factor"]
+    print(f"calibrated in {t_cal:.0f} s -> {config_path} (plot: {config_path.with_suffix('.png')})")
+    for phase in ("prefill", "decode"):
+        print(f"  {phase:7s}: scale_factor = {scale[phase]['a']:.4g} * exp({scale[phase]['b']:.4g} * s)")
+
+    port = args.port or free_port()
+    with serve(args.python, ckpt, port, workdir / "server.log", args.server_args, args.start_timeout) as base:
+        replies = []
+        for prompt in (args.prompt, LONG_PROMPT):
+            payload = {"model": ckpt.name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0}
+            t1 = time.monotonic()
+            reply = http_json(f"{base}/v1/completions", payload)
+            replies.append((prompt, reply["choices"][0]["text"], time.monotonic() - t1))
+        (status,) = http_json(f"{base}/collective_rpc", {"method": "sparse_attn_status"})["results"]
+    for prompt, text, latency in replies:
+        shown = prompt if len(prompt) < 60 else f"{prompt[:40]}... ({len(prompt)} chars)"
+        print(f"prompt : {shown!r}\nreply  : {text!r}  ({latency:.2f} s)")
+    print(f"sparse layers: {status['sparse_layers']}/{len(status['layers'])}")
+    for phase, r in status["realized"].items():
+        sparsity = "-" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
+        print(f"  {phase:7s}: realized sparsity {sparsity} ({r['skipped']}/{r['visited']} tiles skipped)")
+    print(f"total demo {time.monotonic() - t0:.0f} s; server log: {workdir / 'server.log'}")
     return 0
 
 
