@@ -1,0 +1,358 @@
+"""transformers integration: skip-softmax attention registered in `AttentionInterface` under one name.
+
+A model opts in with `model.set_attn_implementation(ATTN_IMPLEMENTATION)`; no model code is patched. The registered
+function runs per attention module: a module without enabled sparse state (or not converted at all) takes
+transformers' own sdpa path unchanged; an enabled module turns HF's K/V (`[B, Hkv, kv_len, D]` after the cache update)
+into paged views and calls the same `paged_skip_softmax_attention` kernel the vLLM plugin serves with, so HF
+calibration counts are the counts vLLM serving skips.
+
+Not supported (clear errors naming the model / attention class): padded batches or any mask other than plain
+causal, sliding window, logit soft-capping, attention sinks, non-causal attention, attention dropout, paged caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+
+from .sparse_attn_config import PHASES, PhaseCalibration
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "modelopt_ext_skip_softmax"
+"""Name under which the attention function (and sdpa's mask builder) are registered in transformers."""
+
+STATE_ATTR = "_modelopt_ext_sparse_attn"
+"""Attribute holding a module's `SparseAttentionState` (plain Python state: no parameters, no state_dict keys)."""
+
+TRITON_PAGE_SIZE = 64
+"""Page size of the K/V views for the Triton backend (a power of two >= 16, compiled in; equals TILE_K)."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model or one of its attention modules uses a feature skip-softmax attention does not implement."""
+
+
+@dataclass
+class SparseAttentionState:
+    """Per-module sparse attention settings, calibration and counters."""
+
+    name: str
+    enabled: bool = True
+    threshold: dict[str, float | None] = field(default_factory=lambda: {p: None for p in PHASES})
+    calibration: dict[str, PhaseCalibration | None] = field(default_factory=lambda: {p: None for p in PHASES})
+    backend: str = "auto"
+    collect_stats: bool = True
+    # Realized counts per phase: int64 [2] tensors (visited, skipped), kept on the device (no host sync).
+    stats: dict[str, torch.Tensor | None] = field(default_factory=lambda: {p: None for p in PHASES})
+    # Set by calibration: receives [B, T, 2] counts for the trials instead of serving thresholds.
+    collector: Any = None
+
+    def threshold_for(self, phase: str, kv_len: int) -> float | None:
+        """λ for one sequence: calibrated a*exp(b*target)/kv_len, else the static λ, else None (dense)."""
+        cal = self.calibration.get(phase)
+        if cal is not None:
+            return cal.scale_factor / kv_len
+        return self.threshold.get(phase)
+
+    def add_stats(self, phase: str, counts: torch.Tensor) -> None:
+        total = counts.sum(dim=(0, 1))
+        prev = self.stats.get(phase)
+        self.stats[phase] = total if prev is None else prev + total.to(prev.device)
+
+    def realized_sparsity(self, phase: str) -> float | None:
+        stats = self.stats.get(phase)
+        if stats is None:
+            return None
+        visited, skipped = (int(x) for x in stats.tolist())
+        return skipped / visited if visited else None
+
+    def reset_stats(self) -> None:
+        self.stats = {p: None for p in PHASES}
+
+
+# ---------------------------------------------------------------------------------------------- paged K/V views
+
+
+def _uniform_paged_view(x: torch.Tensor, page: int) -> tuple[torch.Tensor, int] | None:
+    """Zero-copy [num_blocks, page, Hkv, D] view of x [B, Hkv, kv, D] with pages of sequence b at b*M + p.
+
+    Possible when kv % page == 0 and the batch stride is a multiple of one page of tokens; returns (view, M).
+    """
+    batch, hkv, kv_len, d = x.shape
+    if kv_len % page:
+        return None
+    sb, sh, st, sd = x.stride()
+    block_stride = page * st
+    pages = kv_len // page
+    if batch > 1 and (block_stride == 0 or sb % block_stride):
+        return None
+    per_seq = sb // block_stride if batch > 1 else pages
+    num_blocks = (batch - 1) * per_seq + pages
+    # The view's last element must stay inside x's storage (true for any layout where x itself fits).
+    last = x.storage_offset() + (num_blocks - 1) * block_stride + (page - 1) * st + (hkv - 1) * sh + (d - 1) * sd
+    if last >= x.untyped_storage().nbytes() // x.element_size():
+        return None
+    view = x.as_strided((num_blocks, page, hkv, d), (block_stride, st, sh, sd))
+    return view, per_seq
+
+
+def hf_kv_as_paged(
+    key: torch.Tensor, value: torch.Tensor, page_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn HF K/V [B, Hkv, kv_len, D] into paged views [num_blocks, page, Hkv, D] and a shared block table.
+
+    `page_size=None` uses one page per sequence (page = kv_len): always a zero-copy view, for the torch backend.
+    A fixed page size (the Triton backend compiles it in) is zero-copy when kv_len is a page multiple and K and V
+    share a page layout (always for B == 1); otherwise both are packed into a padded contiguous buffer.
+    """
+    batch, _, kv_len, _ = key.shape
+    device = key.device
+    if page_size is None:
+        table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
+        return key.transpose(1, 2), value.transpose(1, 2), table
+    pages = -(-kv_len // page_size)
+    k_view = _uniform_paged_view(key, page_size)
+    v_view = _uniform_paged_view(value, page_size)
+    if k_view is not None and v_view is not None and (batch == 1 or k_view[1] == v_view[1]):
+        per_seq = k_view[1]
+        table = (torch.arange(batch, device=device).unsqueeze(1) * per_seq + torch.arange(pages, device=device)).to(
+            torch.int32
+        )
+        return k_view[0], v_view[0], table
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        _, hkv, _, d = x.shape
+        buf = x.new_zeros(batch, pages * page_size, hkv, d)
+        buf[:, :kv_len] = x.transpose(1, 2)
+        return buf.view(batch * pages, page_size, hkv, d)
+
+    table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+    return pack(key), pack(value), table
+
+
+# ------------------------------------------------------------------------------------------------ support checks
+
+
+def _where(module: nn.Module) -> str:
+    state = getattr(module, STATE_ATTR, None)
+    name = f" ({state.name})" if state is not None and state.name else ""
+    return f"{type(module).__name__}{name}"
+
+
+def check_module_supported(module: nn.Module, hf_config: Any = None) -> None:
+    """Raise `UnsupportedModelError` when an attention module uses a feature the kernel does not implement."""
+    cls = type(module).__name__
+    cfg = hf_config if hf_config is not None else getattr(module, "config", None)
+    if getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{cls}: non-causal attention is not supported by skip-softmax attention")
+    sliding = getattr(module, "sliding_window", None)
+    if sliding is None and cfg is not None and getattr(cfg, "sliding_window", None) is not None:
+        layer_types = getattr(cfg, "layer_types", None)
+        idx = getattr(module, "layer_idx", None)
+        uses_window = getattr(cfg, "use_sliding_window", True)
+        if layer_types is not None and idx is not None and idx < len(layer_types):
+            uses_window = layer_types[idx] == "sliding_attention"
+        if uses_window:
+            sliding = cfg.sliding_window
+    if sliding is not None:
+        raise UnsupportedModelError(
+            f"{cls}: sliding-window attention (window {sliding}) is not supported; disable sparse attention for "
+            "these layers (mtsa.disable_sparse_attention(model, pattern)) or use a full-attention model"
+        )
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is None and cfg is not None:
+        softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap:
+        raise UnsupportedModelError(f"{cls}: attention logit soft-capping ({softcap}) is not supported")
+    if getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError(f"{cls}: attention sinks are not supported")
+
+
+def _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs) -> None:
+    where = _where(module)
+    if dropout and dropout > 0:
+        raise UnsupportedModelError(f"{where}: attention dropout ({dropout}) is not supported; call model.eval()")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{where}: non-causal attention is not supported by skip-softmax attention")
+    for kw, what in (("sliding_window", "sliding-window attention"), ("softcap", "logit soft-capping"),
+                     ("s_aux", "attention sinks"), ("position_bias", "position-bias attention")):  # fmt: skip
+        if kwargs.get(kw) is not None:
+            raise UnsupportedModelError(f"{where}: {what} is not supported by skip-softmax attention")
+    if kwargs.get("cache") is not None:
+        raise UnsupportedModelError(f"{where}: transformers' paged (continuous batching) cache is not supported")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedModelError(f"{where}: output_attentions=True is not supported (no attention weights)")
+    if key.shape[2] < query.shape[2]:
+        raise UnsupportedModelError(f"{where}: fewer keys ({key.shape[2]}) than queries ({query.shape[2]})")
+    if attention_mask is not None:
+        _check_plain_causal(module, attention_mask, query.shape[2], key.shape[2])
+
+
+# The last mask proven plain causal (masks are shared by all layers of a forward): skip re-checking it.
+_last_ok_mask: weakref.ref | None = None
+
+
+def _check_plain_causal(module: nn.Module, mask: torch.Tensor, q_len: int, kv_len: int) -> None:
+    """Accept only masks equal to the causal-suffix pattern (what the kernel implements); padding is an error."""
+    global _last_ok_mask
+    if _last_ok_mask is not None and _last_ok_mask() is mask:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (q_len, kv_len):
+        raise UnsupportedModelError(f"{_where(module)}: unsupported attention mask {type(mask).__name__}")
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    rows = torch.arange(q_len, device=mask.device).unsqueeze(1) + (kv_len - q_len)
+    expected = torch.arange(kv_len, device=mask.device).unsqueeze(0) <= rows
+    if not bool((allowed == expected).all()):
+        raise UnsupportedModelError(
+            f"{_where(module)}: the attention mask is not plain causal (a padded batch, a static cache or a custom "
+            "mask). Skip-softmax attention needs unpadded sequences: run batch size 1 or equal-length prompts "
+            "without padding, with a DynamicCache"
+        )
+    _last_ok_mask = weakref.ref(mask)
+
+
+# ------------------------------------------------------------------------------------------ the attention function
+
+
+def _sdpa_forward() -> Callable:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def skip_softmax_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [B, Hq, q, D], key/value [B, Hkv, kv, D] -> ([B, q, Hq, D], None)."""
+    state: SparseAttentionState | None = getattr(module, STATE_ATTR, None)
+    if state is None or not state.enabled:
+        return _sdpa_forward()(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs)
+    out, counts = run_skip_softmax(state, query, key, value, scaling)
+    return out, None
+
+
+def run_skip_softmax(
+    state: SparseAttentionState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Call the kernel on HF-layout tensors; returns ([B, q, Hq, D], counts or None) and records stats/calibration."""
+    batch, hq, q_len, d = query.shape
+    kv_len = key.shape[2]
+    phase = "decode" if q_len == 1 else "prefill"
+    scale = float(scaling) if scaling is not None else d**-0.5
+    on_triton = query.is_cuda and state.backend != "torch"
+    k_view, v_view, table = hf_kv_as_paged(key, value, TRITON_PAGE_SIZE if on_triton else None)
+    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)
+    device = query.device
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
+    seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    common = dict(softmax_scale=scale, backend=state.backend)
+    if state.collector is not None:
+        trials = [sf / kv_len for sf in state.collector.scale_factors]
+        out, counts = paged_skip_softmax_attention(
+            q, k_view, v_view, table, cu, seq_lens, threshold_trials=trials, **common
+        )
+        state.collector.add(phase, kv_len, counts)
+    else:
+        lam = state.threshold_for(phase, kv_len)  # λ >= 1 (short sequences) is dense by the kernel's contract
+        if state.collect_stats:
+            out, counts = paged_skip_softmax_attention(
+                q, k_view, v_view, table, cu, seq_lens, skip_threshold=lam, return_skip_counts=True, **common
+            )
+            state.add_stats(phase, counts)
+        else:
+            out = paged_skip_softmax_attention(q, k_view, v_view, table, cu, seq_lens, skip_threshold=lam, **common)
+            counts = None
+    return out.view(batch, q_len, hq, d), counts
+
+
+_registered = False
+
+
+def register_attention() -> str:
+    """Register the attention function and sdpa's mask builder under `ATTN_IMPLEMENTATION` (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, skip_softmax_attention_forward)
+        # Same masks as sdpa: None for plain causal batches (kernel path), explicit masks for the sdpa fallback.
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+        _registered = True
+    return ATTN_IMPLEMENTATION
+
+
+# -------------------------------------------------------------------------------------------- model-level helpers
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def find_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Attention modules of a transformers model: classes named `*Attention` that carry a `layer_idx`."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "config")
+    }
+
+
+def check_model_supported(model: nn.Module) -> None:
+    """Raise `UnsupportedModelError` unless `model` is a transformers model whose attention uses the interface."""
+    if not is_hf_model(model):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel; skip-softmax sparse attention for "
+            "PyTorch models works through transformers' attention interface (use a Hugging Face causal LM)"
+        )
+    if not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its attention does not dispatch through transformers' AttentionInterface, "
+            "so skip-softmax attention cannot be plugged in"
+        )
+
+
+def set_model_attention(model: nn.Module) -> str | None:
+    """Route the model's attention through `ATTN_IMPLEMENTATION`; returns the implementation it had before."""
+    check_model_supported(model)
+    previous = model.config._attn_implementation
+    register_attention()
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise UnsupportedModelError(f"{type(model).__name__}: could not set attn_implementation={ATTN_IMPLEMENTATION}")
+    return previous
+
+
+def restore_model_attention(model: nn.Module, implementation: str | None) -> None:
+    """Put the model back on the attention implementation it had before conversion (sdpa by default)."""
+    if is_hf_model(model):
+        model.set_attn_implementation(implementation or "sdpa")
