@@ -110,11 +110,11 @@ exit $$rc
 endef
 
 test-unit: $(VENV_STAMP)
-	@$(call pytest_stage,$(VENV)/bin/python -m pytest -m "not e2e" --timeout=$(UNIT_TIMEOUT) $(PYTEST_ARGS),allow-empty)
+	@$(call pytest_stage,$(VENV)/bin/python -m pytest -m "not e2e and not vllm_cpu" --timeout=$(UNIT_TIMEOUT) $(PYTEST_ARGS),allow-empty)
 
 test-e2e: $(CPU_STAMP) $(MODEL_STAMP)
 	@$(call pytest_stage,MODELOPT_EXT_SMOLLM2=$(abspath $(MODEL_DIR)) OMP_NUM_THREADS=1 \
-		$(VENV_CPU)/bin/python -m pytest -m e2e tests/e2e --timeout=$(E2E_TIMEOUT) $(PYTEST_ARGS),require-tests)
+		$(VENV_CPU)/bin/python -m pytest -m "e2e or vllm_cpu" tests/e2e tests/gpu_vllm --timeout=$(E2E_TIMEOUT) $(PYTEST_ARGS),require-tests)
 
 # Runs every stage even when an earlier one fails, so one CI run reports everything; fails if any did.
 test: $(VENV_STAMP) $(CPU_STAMP) $(MODEL_STAMP)

@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(gpu_skip)
-        if "e2e" in item.keywords:
+        if "e2e" in item.keywords or "vllm_cpu" in item.keywords:
             if not e2e_checked:
                 e2e_reason, e2e_checked = vllm_cpu_platform_reason(), True
             if e2e_reason:

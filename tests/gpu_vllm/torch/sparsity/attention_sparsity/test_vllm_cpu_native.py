@@ -16,6 +16,8 @@ from unittest import mock
 import pytest
 import torch
 
+pytestmark = pytest.mark.vllm_cpu
+
 pytest.importorskip("vllm")
 cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
 
