@@ -177,3 +177,26 @@ def test_default_forward_loop_uses_the_shared_prompts(tmp_path):
     assert list(tmp_path.glob("calib_prompts_*.json")), "the data builder's cache was used"
     with pytest.raises(ValueError, match="pass forward_loop"):
         mtsa.calibrate(model)  # a model built in code has no tokenizer to load
+
+
+def test_restore_in_a_fresh_process_after_importing_mtsa(calibrated, tmp_path):
+    """`import mto; import mtsa; mto.restore(...)` works in a new interpreter, with no mtsa name used first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, model = calibrated
+    path = tmp_path / "model.pth"
+    mto.save(model, path)
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import modelopt.torch.opt as mto
+import modelopt_ext.torch.sparsity.attention_sparsity  # noqa: F401  (no mtsa attribute used before restore)
+from mtsa_models import make_tiny_llama
+restored = mto.restore(make_tiny_llama(5), {str(path)!r})
+print("ATTN", restored.config._attn_implementation)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ATTN modelopt_ext_skip_softmax" in proc.stdout

@@ -6,13 +6,14 @@
 
 Attributes load lazily (PEP 562): importing this package, or its vLLM-side submodules such as
 `plugins.sparse_attn_config`, imports neither ModelOpt nor transformers nor vLLM. The ModelOpt mode is registered
-when the first `mtsa.<name>` is used; call `mtsa.register_mode()` before `mto.restore` in a fresh process that has
-not used mtsa yet.
+at import when ModelOpt is already imported, else when the first `mtsa.<name>` is used; in a fresh process that
+imports mtsa before ModelOpt and goes straight to `mto.restore`, call `mtsa.register_mode()` first.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 _EXPORTS = {
@@ -60,3 +61,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
+
+
+if "modelopt.torch.opt" in sys.modules:
+    # ModelOpt is loaded already (e.g. `import modelopt.torch.opt as mto` came first): registering costs nothing,
+    # and `mto.restore` of a saved sparse model then works right after `import ... as mtsa`.
+    register_mode()
