@@ -50,7 +50,7 @@ PYTEST_ARGS ?=
 UNIT_TIMEOUT ?= 900
 E2E_TIMEOUT  ?= 1200
 
-.PHONY: all help venv venv-cpu model demo test lint test-unit test-e2e clean-stamps
+.PHONY: all help venv venv-cpu model demo test lint test-unit test-e2e clean-stamps gpu-wheels
 
 all: venv venv-cpu model
 
@@ -124,6 +124,13 @@ test: $(VENV_STAMP) $(CPU_STAMP) $(MODEL_STAMP)
 	$(MAKE) --no-print-directory test-e2e || failed="$$failed e2e"; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all stages passed"
+
+# Pure-Python wheels the offline GPU check needs beside the GPU machine's PyTorch/Triton (scripts/gpu_check.sh
+# uses .whl/ when present): the ModelOpt 0.47 baseline and pytest/hypothesis for the gpu-marked tests.
+GPU_WHEELS := nvidia-modelopt==0.47.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \
+	packaging==26.4 hypothesis==6.155.7 sortedcontainers==2.4.0 pytest-timeout==2.4.0
+gpu-wheels:
+	mkdir -p .whl && python3 -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
 
 # Forget the stamps (not the envs): the next make re-checks each env and adopts or repairs it.
 clean-stamps:
