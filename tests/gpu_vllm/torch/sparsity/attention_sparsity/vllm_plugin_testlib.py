@@ -4,10 +4,19 @@ The tests run on the CPU with the official vLLM wheel. Two vLLM construction pro
 patched (vLLM code only, never ours): FlashInferImpl.__init__ sizes a CUDA buffer when a VllmConfig is current, and
 CPUAttentionBackendImpl.__init__ reads the model dtype. CUDA custom ops are absent; the plugin then writes the cache
 with its torch equivalent, and the `fake_cache_op` fixture registers a faithful torch `reshape_and_cache_flash`.
+
+Every supported vLLM release (tools/vllm_matrix) runs these helpers. What differs between releases is detected from
+the installed classes, never from version strings: the cache each backend hands its impl (`cache_kind_for`), the
+FlashInferMetadata fields (`flashinfer_metadata`), `Attention.kv_cache` being a per-virtual-engine list (<= 0.18)
+and `set_forward_context` accepting per-layer slot mappings.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import inspect
 import itertools
 import math
 import types
@@ -28,16 +37,30 @@ BACKENDS = {
 _NAMES = itertools.count()
 
 
+def _legacy_cpu_cache_shape():
+    """The CPU backend's declared cache shape where it is not packed (0.16 declares (2, B, H, N, D))."""
+    get_shape = getattr(cpu_attn.CPUAttentionBackend, "get_kv_cache_shape", None)
+    shape = tuple(get_shape(7, 16, 1, 32)) if get_shape is not None else None
+    return None if shape in (None, (7, 1, 16, 64)) else shape
+
+
+LEGACY_CPU_CACHE_SHAPE = _legacy_cpu_cache_shape()
+"""Not None where the sparse CPU impl refuses vLLM's CPU attention (its cache is not the packed, measured one)."""
+
+
 def new_layer(
     vllm_config, backend: str, *, num_heads=4, num_kv_heads=2, head_size=32, prefix=None, **kwargs
 ) -> Attention:
     """A real vLLM `Attention` layer with its real native impl (two vLLM device/model probes patched)."""
     prefix = prefix or f"model.layers.{next(_NAMES)}.{backend}.attn"
-    fake_cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
+    fake_cfg = types.SimpleNamespace(  # what CPUAttentionBackendImpl.__init__ reads (0.25: also the cache config)
+        model_config=types.SimpleNamespace(dtype=torch.float32),
+        cache_config=types.SimpleNamespace(block_size=16, cache_dtype="auto"),
+    )
     with (
         set_current_vllm_config(vllm_config),
-        mock.patch.object(flashinfer, "get_current_vllm_config_or_none", lambda: None),
-        mock.patch.object(cpu_attn, "get_current_vllm_config", lambda: fake_cfg),
+        _patch_if_present(flashinfer, "get_current_vllm_config_or_none", lambda: None),  # 0.33: CUDA workspace probe
+        _patch_if_present(cpu_attn, "get_current_vllm_config", lambda: fake_cfg),
     ):
         layer = Attention(
             num_heads, head_size, head_size**-0.5, num_kv_heads, prefix=prefix, attn_backend=BACKENDS[backend], **kwargs
@@ -45,6 +68,16 @@ def new_layer(
     if backend == "cpu_attn":
         layer.isa = "vec"  # what CPUAttentionMetadataBuilder._set_isa_to_layers does on this machine
     return layer
+
+
+def _patch_if_present(module, name, value):
+    """Patch a vLLM probe where this release has it (older releases lack some of them)."""
+    return mock.patch.object(module, name, value) if hasattr(module, name) else contextlib.nullcontext()
+
+
+def attach_kv_cache(layer: Attention, kv_cache: torch.Tensor) -> None:
+    """Bind a cache to the layer as vLLM's bind_kv_cache does: a per-virtual-engine list up to 0.18, else a tensor."""
+    layer.kv_cache = [kv_cache] if isinstance(layer.kv_cache, list) else kv_cache
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -76,6 +109,8 @@ PACKED_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 CACHE_KINDS = (
     "legacy_nhd",
     "legacy_hnd",
+    "packed4d_nhd",  # 0.26 - 0.28: get_kv_cache_shape (B, H, N, 2D), physical order from the stride order
+    "packed4d_hnd",
     *(f"packed_{n}" for n in PACKED_LAYOUTS),
     "cpu",
     "fa_kv_first",
@@ -106,6 +141,15 @@ def make_cache(kind: str, nb: int, page: int, heads: int, dim: int, dtype=torch.
             kv = raw.view(2, nb, page, heads, dim)
             off = lambda s: (((s * nb + b) * page + t) * heads + h) * dim + d  # noqa: E731
         return Cache(kind, raw, kv, off(0), off(1))
+    if kind in ("packed4d_nhd", "packed4d_hnd"):  # logical [nb, H, N, 2D]: K = [..., :D], V = [..., D:]
+        raw = torch.randn(nb * heads * page * 2 * dim, dtype=dtype)
+        if kind == "packed4d_nhd":  # physical [nb, N, H, 2D]
+            kv = raw.view(nb, page, heads, 2 * dim).permute(0, 2, 1, 3)
+            row = ((b * page + t) * heads + h) * 2 * dim
+        else:
+            kv = raw.view(nb, heads, page, 2 * dim)
+            row = ((b * heads + h) * page + t) * 2 * dim
+        return Cache(kind, raw, kv, row + d, row + dim + d)
     if kind == "cpu":  # [nb, H, N, 2D]; per block-head: K as [D, N] (transposed), then V as [N, D]
         raw = torch.randn(nb * heads * page * 2 * dim, dtype=dtype)
         region = (b * heads + h) * page * 2 * dim
@@ -118,15 +162,23 @@ def make_cache(kind: str, nb: int, page: int, heads: int, dim: int, dtype=torch.
 
 
 def _packed_cache(kind, nb, page, heads, dim, dtype, grid):
-    """Layer 1 of a 2-layer allocation, viewed exactly as vLLM 0.33 does (create_kv_cache_views)."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheTensor,
-        compute_layer_kv_cache_shape_bytes,
-        compute_layout_strides,
-        create_kv_cache_views,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    """Layer 1 of a 2-layer allocation, viewed exactly as vLLM 0.33 does (create_kv_cache_views).
+
+    Releases before 0.29 have no KVCacheLayout and never hand out these caches: the test skips there.
+    """
+    try:
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheTensor,
+            compute_layer_kv_cache_shape_bytes,
+            compute_layout_strides,
+            create_kv_cache_views,
+        )
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError as exc:
+        import pytest
+
+        pytest.skip(f"this vLLM has no KVCacheLayout / create_kv_cache_views (packed per-layer views, >= 0.29): {exc}")
 
     layout = KVCacheLayout[kind.split("_", 1)[1]]
     spec = FullAttentionSpec(block_size=page, num_kv_heads=heads, head_size=dim, dtype=dtype)
@@ -145,8 +197,40 @@ def _packed_cache(kind, nb, page, heads, dim, dtype, grid):
     return Cache(kind, raw, kv, base + d, base + dim + d)
 
 
+@functools.cache
 def cache_kind_for(backend: str) -> str:
-    return {"flashinfer": "packed_LBNHC", "flash_attn": "packed_LBNHC", "cpu_attn": "cpu"}[backend]
+    """The cache kind this vLLM's worker hands the backend's impl, detected from the backend class.
+
+    Up to 0.28 the worker allocates `get_kv_cache_shape` permuted by `get_kv_cache_stride_order` and hands the impl
+    the inverse-permuted (logical) view; the matching kind is checked to have exactly that view's shape and strides.
+    From 0.29 (no `get_kv_cache_shape`) it is the packed per-layer view in the default layout (LBNHC off SM10x).
+    """
+    if backend == "cpu_attn":
+        return "cpu"
+    cls = BACKENDS[backend]
+    get_shape = getattr(cls, "get_kv_cache_shape", None)
+    if get_shape is None:
+        return "packed_LBNHC"
+    nb, page, heads, dim = 7, 16, 3, 32
+    shape = tuple(get_shape(nb, page, heads, dim))
+    from vllm.config import DeviceConfig, VllmConfig
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):  # the layout reads it
+        order = tuple(cls.get_kv_cache_stride_order())
+    inverse = [order.index(i) for i in range(len(order))]
+    native = torch.empty([shape[i] for i in order]).permute(*inverse)  # what the worker hands the impl
+    hnd = order == (0, 1, 3, 2, 4)
+    if shape == (nb, 2, page, heads, dim):
+        kind = ("legacy_hnd" if hnd else "legacy_nhd") if backend == "flashinfer" else "fa_blocks_first"
+    elif shape == (2, nb, page, heads, dim):
+        kind = "fa_kv_first_hnd" if hnd else "fa_kv_first"
+    elif shape == (nb, heads, page, 2 * dim):  # 0.26 - 0.28 packed, NHD order (0, 2, 1, 3) or HND (0, 1, 2, 3)
+        kind = "packed4d_nhd" if order == (0, 2, 1, 3) else "packed4d_hnd"
+    else:
+        raise NotImplementedError(f"{cls.__name__}.get_kv_cache_shape -> {shape}, order {order}: no test cache kind")
+    built = make_cache(kind, nb, page, heads, dim).kv_cache
+    assert built.shape == native.shape and built.stride() == native.stride(), (kind, shape, order, built.stride())
+    return kind
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -260,27 +344,22 @@ def backend_metadata(backend: str, batch: Batch, *, pad_tokens: int = 0):
     """The metadata vLLM 0.33's builder would produce for this batch (FlashInfer: through the wrapped build)."""
     n = batch.num_tokens
     slot_mapping = batch.slot_mapping
+    common = {
+        "num_actual_tokens": n,
+        "max_query_len": max(batch.q_lens),
+        "query_start_loc": batch.query_start_loc,
+        "max_seq_len": max(batch.kv_lens),
+        "seq_lens": batch.seq_lens,
+        "block_table": batch.block_table,
+        "slot_mapping": slot_mapping,
+    }
     if backend == "flash_attn":
-        return flash_attn.FlashAttentionMetadata(
-            num_actual_tokens=n,
-            max_query_len=max(batch.q_lens),
-            query_start_loc=batch.query_start_loc,
-            max_seq_len=max(batch.kv_lens),
-            seq_lens=batch.seq_lens,
-            block_table=batch.block_table,
-            slot_mapping=slot_mapping,
-        )
+        # <= 0.32 also has required cascade fields (removed in 0.33)
+        cascade = {"use_cascade": False, "common_prefix_len": 0}
+        cascade.update(dict.fromkeys(("cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens")))
+        return _real_dataclass(flash_attn.FlashAttentionMetadata, common, cascade)
     if backend == "cpu_attn":
-        return cpu_attn.CPUAttentionMetadata(
-            num_actual_tokens=n,
-            max_query_len=max(batch.q_lens),
-            query_start_loc=batch.query_start_loc,
-            max_seq_len=max(batch.kv_lens),
-            seq_lens=batch.seq_lens,
-            block_table=batch.block_table,
-            slot_mapping=slot_mapping,
-            scheduler_metadata=None,
-        )
+        return _real_dataclass(cpu_attn.CPUAttentionMetadata, {**common, "scheduler_metadata": None}, {})
     return CPUBuildableFlashInferBuilder.make().build(0, common_metadata(batch, pad_tokens=pad_tokens))
 
 
@@ -300,6 +379,44 @@ def common_metadata(batch: Batch, *, pad_tokens: int = 0):
     )
 
 
+def _real_dataclass(cls, values: dict, defaults: dict):
+    """An instance of this release's metadata dataclass: `values`, plus `defaults` for the fields it has."""
+    kwargs, missing = {}, []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in values or f.name in defaults:
+            kwargs[f.name] = values[f.name] if f.name in values else defaults[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            missing.append(f.name)
+    assert not missing, f"{cls.__name__} needs fields the test does not know: {missing}"
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    assert not unknown, f"{cls.__name__} lacks fields the test sets: {sorted(unknown)}"
+    return cls(**kwargs)
+
+
+def flashinfer_metadata(**values):
+    """The real FlashInferMetadata dataclass with this release's fields (they changed in 0.24, 0.25, 0.31, 0.32)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        layout = KVCacheLayout.LBNHC
+    except ImportError:  # < 0.29: the layout is process-wide, not in the metadata
+        layout = None
+    defaults = {
+        "kv_cache_layout": layout,  # 0.31+
+        "q_data_type": torch.float32,  # <= 0.24
+        "q_data_type_prefill": torch.float32,  # 0.25+
+        "q_data_type_decode": torch.float32,
+        "causal": True,  # 0.24+
+        "prefill": None,
+        "decode": None,
+        "use_cascade": False,  # <= 0.31
+        "cascade_wrapper": None,
+    }
+    return _real_dataclass(flashinfer.FlashInferMetadata, values, defaults)
+
+
 class CPUBuildableFlashInferBuilder(flashinfer.FlashInferMetadataBuilder):
     """The real builder class with a CPU stand-in for its CUDA planning step, keeping the real `build` signature.
 
@@ -310,11 +427,8 @@ class CPUBuildableFlashInferBuilder(flashinfer.FlashInferMetadataBuilder):
 
     @classmethod
     def make(cls):
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
         self = object.__new__(cls)
         self.reorder_batch_threshold = 1
-        self._layout = KVCacheLayout.LBNHC
         return self
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -322,19 +436,13 @@ class CPUBuildableFlashInferBuilder(flashinfer.FlashInferMetadataBuilder):
 
         cam = common_attn_metadata
         nd, npf, ndt, npt = split_decodes_and_prefills(cam, decode_threshold=self.reorder_batch_threshold)
-        return flashinfer.FlashInferMetadata(
-            kv_cache_layout=self._layout,
+        return flashinfer_metadata(
             num_actual_tokens=cam.num_actual_tokens,
             slot_mapping=cam.slot_mapping,
-            q_data_type_prefill=torch.float32,
-            q_data_type_decode=torch.float32,
             num_decodes=nd,
             num_decode_tokens=ndt,
             num_prefills=npf,
             num_prefill_tokens=npt,
-            causal=True,
-            prefill=None,
-            decode=None,
         )
 
 
@@ -347,7 +455,8 @@ def run_layer(layer: Attention, vllm_config, batch: Batch, metadata, *, pad_toke
     kv_heads = layer.num_kv_heads
     pad = lambda x, w: torch.cat([x.reshape(x.shape[0], -1), torch.zeros(pad_tokens, w, dtype=x.dtype)])  # noqa
     q, k, v = pad(batch.q, heads * dim), pad(batch.k_new, kv_heads * dim), pad(batch.v_new, kv_heads * dim)
-    with set_forward_context(
-        {layer.layer_name: metadata}, vllm_config, slot_mapping={layer.layer_name: batch.slot_mapping}
-    ):
+    extra = {}
+    if "slot_mapping" in inspect.signature(set_forward_context).parameters:  # read by unified_kv_cache_update
+        extra["slot_mapping"] = {layer.layer_name: batch.slot_mapping}
+    with set_forward_context({layer.layer_name: metadata}, vllm_config, **extra):
         return layer(q, k, v)
