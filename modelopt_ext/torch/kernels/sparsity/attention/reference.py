@@ -101,7 +101,7 @@ def _prefill_sequence(q, k, v, kv_len, scale, log_lams, apply_skip):
     hkv = k.shape[1]
     group = hq // hkv
     n_trials = 0 if log_lams is None else log_lams.shape[0]
-    counts = torch.zeros(max(n_trials, 1), 2, dtype=torch.int64, device=q.device) if log_lams is not None else None
+    counts = torch.zeros(n_trials, 2, dtype=torch.int64, device=q.device) if log_lams is not None else None
 
     kt = k.permute(1, 2, 0)  # [Hkv, D, kv_pad]
     vh = v.permute(1, 0, 2)  # [Hkv, kv_pad, D]
@@ -222,5 +222,5 @@ def paged_skip_softmax_attention_reference(
         )
         out[q0:q1] = o.to(out.dtype)
         if c is not None:
-            counts[b] = c[:n_trials]
+            counts[b] = c
     return counts
