@@ -1,10 +1,11 @@
 """Test helpers for the skip-softmax kernels: input builders, cache layouts and a float64 oracle of the docs.
 
-The oracle (`oracle`) is written straight from docs/skip_softmax.md with loops over (sequence, head, query
-block, key block): it is independent of reference.py, so tests can pin the documented semantics on both
-backends. It also returns, per sequence, every visited tile's statistic `G = max over valid rows of
-(tile max - running max)` (a tile is skipped iff G < ln λ), which `safe_lambdas` uses to keep test thresholds
-away from decision boundaries (float32 rounding must not flip a decision between backends).
+The oracle (`oracle`) is written straight from docs/skip_softmax.md (version 2: per-row decisions) with loops
+over (sequence, key tile), vectorised over heads and rows: it is independent of reference.py and semantics.py,
+so tests can pin the documented semantics on every backend. It also returns, per sequence, every droppable
+row-tile's statistic `G = tile max - reference max` (the row drops the tile iff G < ln λ of the row), which
+`safe_lambdas` uses to keep test thresholds away from decision boundaries (float32 rounding must not flip a
+decision between backends).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention import semantics
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import DECODE_SPLIT_TOKENS, TILE_K, TILE_Q
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K
 
 LAYOUTS = ("nhd", "nhd5", "hnd5", "packed", "cpu_t")
 """Cache layouts: plain NHD; NHD view of [blocks, 2, page, H, D]; HND-strided [blocks, 2, H, page, D];
@@ -187,66 +188,84 @@ def dense_attention_f64(case: Case) -> torch.Tensor:
 class OracleResult:
     out: torch.Tensor  # float64 [total_q, Hq, D]
     counts: torch.Tensor  # int64 [B, T, 2]
-    tile_stats: list[torch.Tensor]  # per sequence: G of every visited tile (float64)
+    tile_stats: list[torch.Tensor]  # per sequence: G of every droppable row-tile (float64)
 
 
-def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False) -> OracleResult:
-    """float64 implementation of docs/skip_softmax.md, tile by tile.
+def row_log_lambdas(log_sf_b, gamma_b, prompt_len: int, positions: torch.Tensor) -> torch.Tensor:
+    """float64 ln λ [T, R] of rows at `positions` (docs/skip_softmax.md "λ of a row"), -inf where nothing drops."""
+    out = torch.empty(log_sf_b.shape[0], positions.shape[0], dtype=torch.float64)
+    for r, pos in enumerate(positions.tolist()):
+        decode = pos >= prompt_len
+        n = pos + 1 if decode else max(prompt_len, 1)
+        phase = 1 if decode else 0
+        for t in range(log_sf_b.shape[0]):
+            x = float(log_sf_b[t, phase]) - float(gamma_b[phase]) * math.log(n)
+            out[t, r] = x if x < 0 else -math.inf  # NaN and λ >= 1 drop nothing
+    return out
 
-    `log_lams`: [B, T] ln λ (-inf = dense) or None. Serving (calibrate=False) skips the tiles of trial 0;
-    calibration keeps the output dense and counts every trial.
+
+def default_prompt_lens(case: Case) -> list[int]:
+    return [kv - 1 if ql == 1 else kv for ql, kv in zip(case.q_lens, case.kv_lens, strict=True)]
+
+
+def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None) -> OracleResult:
+    """float64 implementation of docs/skip_softmax.md (v2), row by row.
+
+    `log_lams`: [B, T] ln λ for every row (-inf = dense) or None; or `law = (log_sf [B, T, 2], gamma [B, 2],
+    prompt_lens [B])`. Serving (calibrate=False) drops the tiles of trial 0; calibration keeps the output dense
+    and counts every trial.
     """
     total_q, hq, d = case.q.shape
     group = hq // case.k_cache.shape[2]
-    n_trials = 1 if log_lams is None else log_lams.shape[1]
+    if law is None and log_lams is not None:
+        law = (log_lams.to(torch.float64).unsqueeze(-1).expand(-1, -1, 2), torch.zeros(case.batch, 2),
+               default_prompt_lens(case))
+    n_trials = 1 if law is None else law[0].shape[1]
+    split_tiles = SPLIT_TOKENS // TILE_K
     out = torch.zeros(total_q, hq, d, dtype=torch.float64)
     counts = torch.zeros(case.batch, n_trials, 2, dtype=torch.int64)
     stats = []
     for b in range(case.batch):
         q0, ql, kv = int(case.cu_seqlens_q[b]), case.q_lens[b], case.kv_lens[b]
-        seq_stats = []
         if ql == 0:
             stats.append(torch.zeros(0, dtype=torch.float64))
             continue
-        lams = None if log_lams is None else log_lams[b].to(torch.float64)
         k = gather_dense(case.k_cache, case.block_table[b], kv)
         v = gather_dense(case.v_cache, case.block_table[b], kv)
         q = case.q[q0 : q0 + ql].to(torch.float64)
-        last_key = kv - ql + torch.arange(ql)  # per row
-        decode = ql == 1
+        positions = kv - ql + torch.arange(ql)  # absolute position of each new row
         kk = k.repeat_interleave(group, dim=1).permute(1, 2, 0)  # [Hq, D, kv]
         s = case.scale * torch.matmul(q.permute(1, 0, 2), kk)  # [Hq, ql, kv]
-        visible = torch.arange(kv)[None, :] <= last_key[:, None]  # [ql, kv]
+        visible = torch.arange(kv)[None, :] <= positions[:, None]  # [ql, kv]
         s = s.masked_fill(~visible, -math.inf)
         keep = visible.expand(hq, ql, kv).clone()
-        # Running max before each tile, per head and row (reset at decode split starts), and tile maxima.
         n_kb = math.ceil(kv / TILE_K)
-        tile_max = torch.stack([s[..., kb * TILE_K : (kb + 1) * TILE_K].amax(-1) for kb in range(n_kb)], -1)
-        m_before = torch.full_like(tile_max, -math.inf)
-        for kb in range(1, n_kb):
-            split_start = decode and kb % (DECODE_SPLIT_TOKENS // TILE_K) == 0
-            if not split_start:
-                m_before[..., kb] = torch.maximum(m_before[..., kb - 1], tile_max[..., kb - 1])
-        gap = tile_max - m_before  # +inf where m = -inf (first tile of a row / split)
-        row_blocks = [(0, 1)] if decode else [(r0, min(r0 + TILE_Q, ql)) for r0 in range(0, ql, TILE_Q)]
-        for h in range(hq):
-            for r0, r1 in row_blocks:
-                for kb in range(int(last_key[r1 - 1]) // TILE_K + 1):  # the visited tiles of this query block
-                    k0, k1 = kb * TILE_K, min((kb + 1) * TILE_K, kv)
-                    valid = last_key[r0:r1] >= k0  # rows that see at least one key of the tile
-                    assert valid.any()
-                    g_stat = gap[h, r0:r1, kb][valid].max().item()
-                    seq_stats.append(g_stat)
-                    counts[b, :, 0] += 1
-                    if lams is not None:
-                        skipped = g_stat < lams  # [T]
-                        counts[b, :, 1] += skipped.to(torch.int64)
-                        if not calibrate and bool(skipped[0]):
-                            keep[h, r0:r1, k0:k1] = False
+        g = torch.stack([s[..., t * TILE_K : (t + 1) * TILE_K].amax(-1) for t in range(n_kb)], -1)  # [Hq, ql, nt]
+        lams = None
+        if law is not None:
+            lams = row_log_lambdas(law[0][b], law[1][b], int(law[2][b]), positions)  # [T, ql]
+        seq_stats = []
+        for t in range(n_kb):
+            rows_visiting = positions >= t * TILE_K  # [ql]
+            counts[b, :, 0] += hq * int(rows_visiting.sum())
+            if t == 0:
+                continue  # the anchor tile is never dropped
+            split_start = (t // split_tiles) * split_tiles
+            ref = g[..., 0]
+            if t > split_start:
+                ref = torch.maximum(ref, g[..., split_start:t].amax(-1))
+            gap = g[..., t] - ref  # [Hq, ql]
+            seq_stats.append(gap[:, rows_visiting].flatten())
+            if lams is None:
+                continue
+            drop = rows_visiting.unsqueeze(0).unsqueeze(0) & (gap.unsqueeze(0) < lams.unsqueeze(1))  # [T, Hq, ql]
+            counts[b, :, 1] += drop.sum(dim=(1, 2))
+            if not calibrate:
+                keep[..., t * TILE_K : (t + 1) * TILE_K] &= ~drop[0].unsqueeze(-1)
         p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1)  # [Hq, ql, kv]
         out[q0 : q0 + ql] = torch.matmul(p, v.repeat_interleave(group, dim=1).transpose(0, 1)).transpose(0, 1)
-        stats.append(torch.tensor(seq_stats, dtype=torch.float64))
-    return OracleResult(out=out, counts=counts if log_lams is not None else None, tile_stats=stats)
+        stats.append(torch.cat(seq_stats) if seq_stats else torch.zeros(0, dtype=torch.float64))
+    return OracleResult(out=out, counts=counts if law is not None else None, tile_stats=stats)
 
 
 def safe_log_lambda(log_lam: float, stats: torch.Tensor, margin: float = 2e-3) -> float:

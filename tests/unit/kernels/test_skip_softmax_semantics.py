@@ -21,7 +21,7 @@ from skip_attention_helpers import (
     safe_lambdas,
 )
 
-from modelopt_ext.torch.kernels.sparsity.attention import DECODE_SPLIT_TOKENS, paged_skip_softmax_attention
+from modelopt_ext.torch.kernels.sparsity.attention import SPLIT_TOKENS, paged_skip_softmax_attention
 
 BACKENDS = ["torch", "triton"]
 # (atol, rtol) of a backend's output vs float64; fp16 outputs are rounded to fp16 (and Triton's P·V uses fp16 P).
@@ -29,7 +29,7 @@ TOL = {torch.float32: (3e-5, 1e-4), torch.float16: (4e-3, 4e-3), torch.float64: 
 EXTRA_ROWS = 3
 
 
-def run(case, backend, *, skip_threshold=None, trials=None, counts=False):
+def run(case, backend, *, skip_threshold=None, trials=None, counts=False, **law):
     """Call the API with `out` poisoned with NaN (and extra rows that must stay untouched)."""
     total_q, hq, d = case.q.shape
     out = torch.full((total_q + EXTRA_ROWS, hq, d), math.nan, dtype=case.q.dtype)
@@ -41,6 +41,7 @@ def run(case, backend, *, skip_threshold=None, trials=None, counts=False):
         return_skip_counts=counts,
         out=out,
         backend=backend,
+        **law,
     )
     o, c = res if isinstance(res, tuple) else (res, None)
     assert o is out
@@ -161,22 +162,108 @@ def test_empty_and_one_token_sequences(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_long_decode_uses_independent_splits(backend):
-    kv = 2 * DECODE_SPLIT_TOKENS + 300  # three splits
-    case = make_case([1, 1], [kv, DECODE_SPLIT_TOKENS + 1], hq=2, hkv=1, d=32, page=128, seed=9)
+def test_long_rows_use_anchored_splits(backend):
+    kv = 2 * SPLIT_TOKENS + 300  # three splits
+    case = make_case([1, 1], [kv, SPLIT_TOKENS + 1], hq=2, hkv=1, d=32, page=128, seed=9)
     lam = torch.tensor([quantile_lambda(case, b, 0.5) for b in range(2)])
     out, counts = run(case, backend, skip_threshold=lam, counts=True)
     ref = oracle(case, log_lams_tensor(lam, 2))
     assert torch.equal(counts, ref.counts)
-    n_tiles = [math.ceil(kv / 64), math.ceil((DECODE_SPLIT_TOKENS + 1) / 64)]
+    n_tiles = [math.ceil(kv / 64), math.ceil((SPLIT_TOKENS + 1) / 64)]
     assert counts[:, 0, 0].tolist() == [2 * n for n in n_tiles]
     assert (counts[:, 0, 1] > 0).all()
-    # each split's first tile is never skipped: tile statistics are +inf at split starts
-    stats = ref.tile_stats[0]
-    assert torch.isinf(stats).sum() == 2 * 3
+    # only tile 0 is exempt: a split's first tile is tested against the anchor (every statistic is finite)
+    assert all(torch.isfinite(st).all() and st.numel() == 2 * (n - 1) for st, n in zip(ref.tile_stats, n_tiles))
     assert_close64(out, ref.out, torch.float32)
     dense, _ = run(case, backend)
     assert_close64(dense, dense_attention_f64(case), torch.float32)
+
+
+def chunk_of(case, start: int, stop: int):
+    """Rows start..stop-1 of sequence 0 (a whole prompt) as vLLM would run that chunk, the cache holding keys
+    0..stop-1, in one batch with the case's other sequences (each with all its rows)."""
+    q0 = case.q[: case.q_lens[0]]
+    q = torch.cat([q0[start:stop], case.q[case.q_lens[0] :]])
+    q_lens = [stop - start, *case.q_lens[1:]]
+    kv_lens = [stop, *case.kv_lens[1:]]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return type(case)(
+        q=q, k_cache=case.k_cache, v_cache=case.v_cache, block_table=case.block_table, cu_seqlens_q=cu,
+        seq_lens_k=torch.tensor(kv_lens, dtype=torch.int32), scale=case.scale, q_lens=q_lens, kv_lens=kv_lens,
+    )  # fmt: skip
+
+
+def law_kwargs(case, log_sf, gamma, prompt_lens):
+    return dict(
+        log_scale_factors=torch.tensor(log_sf, dtype=torch.float32).expand(case.batch, 2).contiguous(),
+        length_exponents=torch.tensor(gamma, dtype=torch.float32),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32),
+    )
+
+
+def law_oracle(case, log_sf, gamma, prompt_lens):
+    law = (torch.tensor([log_sf] * case.batch).unsqueeze(1), torch.tensor([gamma] * case.batch), prompt_lens)
+    return oracle(case, None, law=law)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "batched"])
+def test_rows_do_not_depend_on_chunking_or_batching(backend, others):
+    """docs/skip_softmax.md's promise: a prompt served whole or cut into chunks (one of a single token), alone or
+    beside other sequences, gives every row the same output and the same counts; generated rows use the decode
+    law whether they run as a decode step or inside a longer chunk."""
+    prompt = 300
+    q_lens, kv_lens = ([prompt + 1, 1, 40], [prompt + 1, 120, 40]) if others else ([prompt + 1], [prompt + 1])
+    case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=16, seed=21)
+    prompts = [prompt, *(kv - 1 if ql == 1 else kv for ql, kv in zip(q_lens[1:], kv_lens[1:], strict=True))]
+    # ModelOpt's law per phase (γ = 1): sf = λ · n with n = prompt length (prefill) or position + 1 (decode).
+    log_sf, gamma = [math.log(0.12 * prompt), math.log(0.1 * prompt)], [1.0, 1.0]
+    whole = chunk_of(case, 0, prompt)
+    out_whole, c_whole = run(whole, backend, counts=True, **law_kwargs(whole, log_sf, gamma, prompts))
+    expected = law_oracle(whole, log_sf, gamma, prompts)
+    assert torch.equal(c_whole, expected.counts) and c_whole[0, 0, 1] > 0
+    assert_close64(out_whole, expected.out, torch.float32)
+    cuts = [0, 100, 101, 250, prompt]
+    total = torch.zeros_like(c_whole[0])
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        part = chunk_of(case, a, b)
+        o, c = run(part, backend, counts=True, **law_kwargs(part, log_sf, gamma, prompts))
+        torch.testing.assert_close(o[: b - a], out_whole[a:b], atol=2e-6, rtol=1e-5)
+        total += c[0]
+    assert torch.equal(total, c_whole[0]), "counts must not depend on chunking"
+    # the generated token at position `prompt`: a decode row with n = prompt + 1
+    step = chunk_of(case, prompt, prompt + 1)
+    o_step, c = run(step, backend, counts=True, **law_kwargs(step, log_sf, gamma, prompts))
+    expected = law_oracle(step, log_sf, gamma, prompts)
+    assert torch.equal(c, expected.counts)
+    assert_close64(o_step, expected.out, torch.float32)
+    # the same position inside a longer chunk (recomputed after preemption) gives the same row
+    tail = chunk_of(case, 250, prompt + 1)
+    o_tail, _ = run(tail, backend, **law_kwargs(tail, log_sf, gamma, prompts))
+    torch.testing.assert_close(o_tail[prompt - 250 : prompt + 1 - 250], o_step[:1], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stale_nan_past_kv_len_never_reaches_outputs(backend):
+    """Reused blocks hold anything past kv_len: NaN/inf there must not reach an output or a count."""
+    for q_lens, kv_lens, page in (([3], [3], 16), ([1], [65], 128), ([70, 1], [130, 65], 64)):
+        case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=page, seed=23)
+        clean = oracle(case, log_lams_tensor(0.05, case.batch))
+        for b, kv in enumerate(kv_lens):
+            n_pages = math.ceil(kv / page)
+            last = int(case.block_table[b, n_pages - 1])
+            case.k_cache[last, kv % page or page :] = math.inf
+            case.v_cache[last, kv % page or page :] = math.nan
+            for junk in case.block_table[b, n_pages:].tolist():  # pages past the sequence
+                if junk not in case.block_table[:, :n_pages].flatten().tolist():
+                    case.v_cache[junk] = math.nan
+        lam = safe_lambdas(case, torch.full((case.batch,), 0.05))
+        out, counts = run(case, backend, skip_threshold=lam, counts=True)
+        ref = oracle(case, log_lams_tensor(lam, case.batch))
+        assert torch.equal(counts, ref.counts) and torch.equal(counts[..., 0], clean.counts[..., 0])
+        assert_close64(out, ref.out, torch.float32)
+        dense, _ = run(case, backend)
+        assert_close64(dense, dense_attention_f64(case), torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

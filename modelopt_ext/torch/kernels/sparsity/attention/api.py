@@ -8,7 +8,7 @@ import logging
 import torch
 
 from .reference import paged_skip_softmax_attention_reference
-from .semantics import as_threshold_tensor, as_trials_tensor, check_inputs, log_thresholds
+from .semantics import check_inputs, default_prompt_lens, normalize_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,11 @@ def paged_skip_softmax_attention(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     max_seqlen_k: int | None = None,
+    log_scale_factors: torch.Tensor | None = None,
+    length_exponents: torch.Tensor | None = None,
+    prompt_lens: torch.Tensor | None = None,
 ):
-    """Causal varlen attention over a paged KV cache, skipping tiles per docs/skip_softmax.md.
+    """Causal varlen attention over a paged KV cache, dropping key tiles per row per docs/skip_softmax.md.
 
     Args:
         q: [total_q, Hq, D] packed queries (any strides).
@@ -73,47 +76,55 @@ def paged_skip_softmax_attention(
         block_table: [B, max_pages] int32 page ids per sequence.
         cu_seqlens_q: [B+1] int32 query offsets; seq_lens_k: [B] int32 key counts including the new tokens.
         softmax_scale: score scale (usually D ** -0.5).
-        skip_threshold: None (dense), a float λ, or a per-sequence [B] tensor of λ (λ <= 0 or >= 1: dense).
-        threshold_trials: calibration λ trials ([T] or [B, T]); the output stays dense.
-        return_skip_counts: also return [B, 1, 2] (visited, skipped) tile counts of what was skipped.
+        skip_threshold: None (dense), a float λ, or a per-sequence [B] tensor of λ for every row
+            (λ <= 0 or >= 1: dense).
+        threshold_trials: calibration λ trials ([T] or [B, T]) for every row; the output stays dense.
+        return_skip_counts: also return [B, 1, 2] (visited, skipped) row-tile counts of what was dropped.
         out: optional [>= total_q, Hq, D] output; rows past total_q are left untouched.
         backend: "torch" (reference), "triton", or "auto" (Triton on CUDA when it covers the input, else the
             reference, with one warning).
         max_seqlen_k: optional host int bounding every `seq_lens_k` (e.g. vLLM's `max_seq_len`); lets the Triton
             decode path size its split-K workspace without a device read.
+        log_scale_factors: the calibrated law instead of a plain λ: [B, 2] (serving) or [B, T, 2] (calibration,
+            dense output) float32 `c` per (prefill, decode) phase, ln λ_row = c - γ·ln(n) (-inf: dense phase).
+        length_exponents: γ per phase, [2] or [B, 2] (default 1: NVIDIA ModelOpt's λ = sf / n law).
+        prompt_lens: [B] int32 prompt length of each request: rows before it are prefill rows with n =
+            prompt_len, later rows decode rows with n = position + 1. Default: q_len > 1 is all prompt,
+            q_len == 1 is decode. Pass the request's real prompt length to make results chunking-invariant.
 
     Returns:
-        `out`, or `(out, counts)` with counts [B, T, 2] int64 when `threshold_trials` or `return_skip_counts`.
+        `out`, or `(out, counts)` with counts [B, T, 2] int64 when calibrating or `return_skip_counts`.
     """
     check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out)
-    if threshold_trials is not None and skip_threshold is not None:
-        raise ValueError("threshold_trials (calibration, dense output) and skip_threshold (serving) are exclusive")
     batch = seq_lens_k.shape[0]
     total_q = q.shape[0]
     if out is None:
         out = torch.empty(total_q, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
 
-    calibrate = threshold_trials is not None
-    if calibrate:
-        log_lams = log_thresholds(as_trials_tensor(threshold_trials, batch, q.device))
+    log_sf, gamma, calibrate = normalize_thresholds(
+        batch, q.device, skip_threshold=skip_threshold, threshold_trials=threshold_trials,
+        log_scale_factors=log_scale_factors, length_exponents=length_exponents,
+        return_skip_counts=return_skip_counts,
+    )
+    if prompt_lens is None:
+        prompt_lens = default_prompt_lens(cu_seqlens_q, seq_lens_k)
     else:
-        lam = as_threshold_tensor(skip_threshold, batch, q.device)
-        if lam is None and return_skip_counts:
-            lam = torch.zeros(batch, dtype=torch.float32, device=q.device)  # dense, but counted
-        log_lams = None if lam is None else log_thresholds(lam).unsqueeze(1)
+        if prompt_lens.dim() != 1 or prompt_lens.shape[0] != batch:
+            raise ValueError(f"prompt_lens must be [B]=[{batch}], got {tuple(prompt_lens.shape)}")
+        prompt_lens = prompt_lens.to(device=q.device, dtype=torch.int32)
     want_counts = calibrate or return_skip_counts
 
     chosen = _resolve_backend(backend, q, k_cache)
+    kwargs = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
+                  calibrate=calibrate, out=out)
     if chosen == "triton":
         from .triton_kernel import paged_skip_softmax_attention_triton
 
         counts = paged_skip_softmax_attention_triton(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
-            softmax_scale=softmax_scale, log_lams=log_lams, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k,
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k, **kwargs
         )
     else:
         counts = paged_skip_softmax_attention_reference(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k,
-            softmax_scale=softmax_scale, log_lams=log_lams, calibrate=calibrate, out=out,
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs
         )
     return (out, counts) if want_counts else out

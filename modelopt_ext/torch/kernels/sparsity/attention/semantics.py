@@ -11,16 +11,20 @@ from collections.abc import Sequence
 
 import torch
 
-TILE_Q = 64
-"""Query rows per prefill tile, counted from the first new query token of a sequence."""
-
 TILE_K = 64
 """Keys per tile, aligned to absolute key positions."""
 
-DECODE_SPLIT_TOKENS = 2048
-"""Decode (q_len == 1) keys are processed in independent splits of this many keys (split-K)."""
+SPLIT_TOKENS = 2048
+"""Keys per split (aligned to absolute positions): a row's reference max restarts at each split, seeded with its
+first tile (the anchor), so decode kernels can process splits in parallel."""
 
-assert DECODE_SPLIT_TOKENS % TILE_K == 0
+DECODE_SPLIT_TOKENS = SPLIT_TOKENS
+"""Version-1 name of `SPLIT_TOKENS` (splits now apply to every row, not only decode)."""
+
+TILE_Q = 64
+"""Rows per work block of the kernels (not part of the semantics: decisions are per row)."""
+
+assert SPLIT_TOKENS % TILE_K == 0
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FP8_DTYPES = tuple(
@@ -54,6 +58,89 @@ def as_threshold_tensor(skip_threshold, batch: int, device) -> torch.Tensor | No
     if skip_threshold.dim() != 1 or skip_threshold.shape[0] != batch:
         raise ValueError(f"skip_threshold must have shape [B]=[{batch}], got {tuple(skip_threshold.shape)}")
     return skip_threshold.to(device=device, dtype=torch.float32)
+
+
+def normalize_thresholds(
+    batch: int,
+    device,
+    *,
+    skip_threshold=None,
+    threshold_trials=None,
+    log_scale_factors=None,
+    length_exponents=None,
+    return_skip_counts: bool = False,
+):
+    """Every way of giving λ, as the one form the backends take: `(log_sf [B, T, 2], gamma [B, 2], calibrate)`.
+
+    ln λ of a row = log_sf[b, t, phase] - gamma[b, phase] * ln(n) (docs/skip_softmax.md), phase 0 = prefill,
+    1 = decode. `log_sf` is None when nothing is skipped and nothing is counted. A plain λ (`skip_threshold`,
+    `threshold_trials`) is `log_sf = ln λ` for both phases with `gamma = 0`; entries that are dense (λ <= 0,
+    λ >= 1, NaN) become -inf.
+    """
+    given = [n for n, v in (("skip_threshold", skip_threshold), ("threshold_trials", threshold_trials),
+                            ("log_scale_factors", log_scale_factors)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of skip_threshold, threshold_trials, log_scale_factors (got {given})")
+    if length_exponents is not None and log_scale_factors is None:
+        raise ValueError("length_exponents needs log_scale_factors")
+    zeros = torch.zeros(batch, 2, dtype=torch.float32, device=device)
+    if threshold_trials is not None:
+        log_lam = log_thresholds(as_trials_tensor(threshold_trials, batch, device))
+        return log_lam.unsqueeze(-1).expand(-1, -1, 2).contiguous(), zeros, True
+    if log_scale_factors is not None:
+        if not isinstance(log_scale_factors, torch.Tensor):
+            raise TypeError("log_scale_factors must be a [B, 2] (serving) or [B, T, 2] (calibration) tensor")
+        calibrate = log_scale_factors.dim() == 3
+        log_sf = log_scale_factors.to(device=device, dtype=torch.float32)
+        if not calibrate:
+            log_sf = log_sf.unsqueeze(1)
+        if log_sf.dim() != 3 or log_sf.shape[0] != batch or log_sf.shape[2] != 2 or log_sf.shape[1] == 0:
+            raise ValueError(
+                f"log_scale_factors must be [B={batch}, 2] or [B={batch}, T, 2], got {tuple(log_scale_factors.shape)}"
+            )
+        log_sf = torch.nan_to_num(log_sf, nan=-math.inf, posinf=-math.inf).contiguous()
+        if length_exponents is None:
+            gamma = torch.ones(batch, 2, dtype=torch.float32, device=device)
+        else:
+            gamma = torch.as_tensor(length_exponents, dtype=torch.float32, device=device)
+            if gamma.dim() == 1 and gamma.shape[0] == 2:
+                gamma = gamma.unsqueeze(0).expand(batch, 2)
+            if gamma.shape != (batch, 2):
+                raise ValueError(f"length_exponents must be [2] or [B={batch}, 2], got {tuple(gamma.shape)}")
+            gamma = gamma.contiguous()
+        return log_sf, gamma, calibrate
+    lam = as_threshold_tensor(skip_threshold, batch, device)
+    if lam is None:
+        if not return_skip_counts:
+            return None, zeros, False
+        lam = torch.zeros(batch, dtype=torch.float32, device=device)  # dense, but counted
+    log_lam = log_thresholds(lam)
+    return log_lam[:, None, None].expand(-1, 1, 2).contiguous(), zeros, False
+
+
+def default_prompt_lens(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> torch.Tensor:
+    """Prompt lengths when the caller has none: q_len > 1 is all prompt, q_len == 1 is a decode step."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    return torch.where(q_lens == 1, seq_lens_k - 1, seq_lens_k).to(torch.int32)
+
+
+def row_log_thresholds(
+    log_sf: torch.Tensor, gamma: torch.Tensor, prompt_lens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """ln λ [N, T, R] (float32) of rows at absolute `positions` [N, R] of N sequences; -inf where nothing drops.
+
+    log_sf: [N, T, 2], gamma: [N, 2], prompt_lens: [N]. The per-row law of docs/skip_softmax.md, written once
+    for torch code: phase = decode iff pos >= prompt_len; n = prompt_len (prefill) or pos + 1 (decode).
+    """
+    prompt = prompt_lens.to(positions.device, torch.int64).unsqueeze(1)
+    decode = positions >= prompt
+    n = torch.where(decode, positions + 1, prompt.clamp_min(1).expand_as(positions)).to(torch.float64)
+    phase = decode.long()
+    n_seq, n_trials = log_sf.shape[0], log_sf.shape[1]
+    c = torch.gather(log_sf.to(torch.float64), 2, phase.unsqueeze(1).expand(n_seq, n_trials, phase.shape[1]))
+    g = torch.gather(gamma.to(torch.float64), 1, phase)
+    out = (c - (g * torch.log(n)).unsqueeze(1)).to(torch.float32)
+    return torch.where(out < 0, out, torch.full_like(out, -math.inf))  # NaN, >= 0 (λ >= 1): no drop
 
 
 def as_trials_tensor(threshold_trials, batch: int, device) -> torch.Tensor | None:
