@@ -314,3 +314,17 @@ def log_lams_tensor(lams, batch: int) -> torch.Tensor:
     if t.dim() == 1:
         t = t.unsqueeze(1)
     return semantics.log_thresholds(t)
+
+
+def backend_law(case: Case, log_lams: torch.Tensor | None) -> dict:
+    """Backend keyword arguments (log_sf, gamma, prompt_lens) for a plain ln λ [B, T] on every row, as api.py
+    normalises `skip_threshold` / `threshold_trials`: γ = 0 and the default prompt lengths."""
+    device = case.q.device
+    log_sf = None
+    if log_lams is not None:
+        log_sf = log_lams.to(device=device, dtype=torch.float32).unsqueeze(-1).expand(-1, -1, 2).contiguous()
+    return dict(
+        log_sf=log_sf,
+        gamma=torch.zeros(case.batch, 2, dtype=torch.float32, device=device),
+        prompt_lens=torch.tensor(default_prompt_lens(case), dtype=torch.int32, device=device),
+    )

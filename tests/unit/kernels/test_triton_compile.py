@@ -26,7 +26,8 @@ SCRIPT = textwrap.dedent(
 
     def build(fn, dtype, consts, **options):
         types = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-        types.update(bt_ptr="*i32", cu_q_ptr="*i32", kv_lens_ptr="*i32", log_lams_ptr="*fp32", counts_ptr="*i64",
+        types.update(bt_ptr="*i32", cu_q_ptr="*i32", kv_lens_ptr="*i32", prompt_ptr="*i32", log_sf_ptr="*fp32",
+                     gamma_ptr="*fp32", counts_ptr="*i64",
                      ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", softmax_scale="fp32")
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=options)
@@ -41,7 +42,8 @@ SCRIPT = textwrap.dedent(
         if dtype == "fp16":  # what a launch with contiguous head dims compiles: unit strides are specialised
             common.update(stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1)
         warps, stages = tk._launch_params(d)
-        build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=64), num_warps=warps, num_stages=stages)
+        build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=64, SPLIT_BLOCKS=32), num_warps=warps,
+              num_stages=stages)
         build(tk._decode_kernel, dtype, dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
                                              NUM_HEADS=2 * group, SPLIT_BLOCKS=32), num_warps=4, num_stages=2)
         build(tk._decode_merge_kernel, dtype, dict(HEAD_DIM=d, BLOCK_D=bd, NUM_HEADS=2 * group, SPLIT_TOKENS=2048),

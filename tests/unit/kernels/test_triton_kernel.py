@@ -12,7 +12,14 @@ import math
 
 import pytest
 import torch
-from skip_attention_helpers import dense_attention_f64, log_lams_tensor, make_case, oracle, safe_lambdas
+from skip_attention_helpers import (
+    backend_law,
+    dense_attention_f64,
+    log_lams_tensor,
+    make_case,
+    oracle,
+    safe_lambdas,
+)
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention, triton_kernel
 from modelopt_ext.torch.kernels.sparsity.attention.reference import paged_skip_softmax_attention_reference
@@ -28,7 +35,8 @@ def both(case, log_lams, calibrate=False, **kw):
     results = []
     for fn in (paged_skip_softmax_attention_reference, paged_skip_softmax_attention_triton):
         out = torch.full((case.q.shape[0] + 2, *case.q.shape[1:]), math.nan, dtype=case.q.dtype, device=case.q.device)
-        counts = fn(*case.args(), softmax_scale=case.scale, log_lams=log_lams, calibrate=calibrate, out=out, **kw)
+        counts = fn(*case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out, **backend_law(case, log_lams),
+                    **kw)
         assert torch.isnan(out[case.q.shape[0] :]).all()
         results.append((out[: case.q.shape[0]], counts))
     return results
@@ -95,7 +103,8 @@ def test_decode_split_merge_with_max_seqlen_hint():
     assert base[1][1][0, 0, 1] > 0
     out = torch.full_like(case.q, math.nan)
     counts = paged_skip_softmax_attention_triton(
-        *case.args(), softmax_scale=case.scale, log_lams=log_lams, calibrate=False, out=out, max_seqlen_k=4200
+        *case.args(), softmax_scale=case.scale, calibrate=False, out=out, max_seqlen_k=4200,
+        **backend_law(case, log_lams),
     )
     assert torch.equal(out, base[1][0]) and torch.equal(counts, base[1][1])
 
@@ -141,7 +150,8 @@ def test_serving_needs_one_trial():
     case = make_case([3], [3], hq=2, hkv=1, d=32)
     with pytest.raises(ValueError, match="T == 1"):
         paged_skip_softmax_attention_triton(
-            *case.args(), softmax_scale=case.scale, log_lams=torch.zeros(1, 2), calibrate=False, out=case.q.clone()
+            *case.args(), softmax_scale=case.scale, calibrate=False, out=case.q.clone(),
+            **backend_law(case, torch.zeros(1, 2)),
         )
 
 
@@ -152,7 +162,7 @@ def _constexpr_params(kernel) -> set[str]:
 
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
-    """λ (log_lams), the scale, lengths and strides are runtime values; constexprs are geometry and mode only."""
+    """λ (the law tensors), the scale, lengths and strides are runtime values; constexprs are geometry and mode only."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
         "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS",
@@ -177,7 +187,8 @@ def test_new_lambda_does_not_recompile():
 
     def call(lam):
         paged_skip_softmax_attention_triton(
-            *case.args(), softmax_scale=case.scale, log_lams=log_lams_tensor(lam, 2).cuda(), calibrate=False, out=out
+            *case.args(), softmax_scale=case.scale, calibrate=False, out=out,
+            **backend_law(case, log_lams_tensor(lam, 2)),
         )
 
     call(lams[0])

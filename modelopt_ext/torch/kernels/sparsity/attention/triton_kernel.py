@@ -5,19 +5,25 @@ inputs (already validated by `semantics.check_inputs`), same output rows, same i
 
 Kernels
 -------
-* `_prefill_kernel` (sequences with `q_len >= 2`): one program per (query block of TILE_Q rows, query head).
+Both kernels walk key tiles in increasing order with the same `@triton.jit` pieces: `_load_k_tile` /
+`_load_v_tile` (a tile through the block table and any strides; masked, so nothing past kv_len is ever read),
+`_row_log_lambda` (the per-row law of docs/skip_softmax.md), `_drop_rows` (the per-row skip test against the
+anchored split max) and `_online_softmax_update`. Decisions are per row; a program skips a tile's `exp`, V load and
+`P·V` only when every row of its block drops the tile, and otherwise zeroes the dropped rows' probabilities.
+
+* `_prefill_kernel` (sequences with `q_len >= 2`): one program per (block of TILE_Q rows, query head).
   Programs are laid out over a flattened grid of query blocks: sequence `b` owns the program ids
   `cu_seqlens_q[b] // TILE_Q + b + i` for its blocks `i`; these ranges never overlap, so the grid needs only
   `total_q // TILE_Q + B` programs (taken in reverse order, longest causal blocks first) and each program
   finds its sequence by a binary search over `cu_seqlens_q` — no host synchronisation. Key blocks of TILE_K
   keys are visited in increasing order (online softmax), keys gathered through the block table (any
-  power-of-two page size >= 16; a key tile spans several pages when the page is smaller than TILE_K). The skip
-  test uses the running max before the tile and natural-log units (`ln λ`, as the reference); a skipped tile
-  does no `exp`, no V load and no `P·V`.
-* `_decode_kernel` (sequences with `q_len == 1`): one program per (sequence, KV head, split of
-  DECODE_SPLIT_TOKENS keys). The GQA group of query heads sharing the KV head is processed together (rows of one
-  `tl.dot`), but every skip decision is per query-head row, as the document defines decode tiles; V is loaded
-  only when at least one row keeps the tile. Sequences with one split write the output directly; otherwise
+  power-of-two page size >= 16; a key tile spans several pages when the page is smaller than TILE_K). Each row
+  keeps its anchor (tile 0's max) and its running max within the current split for the test, besides the
+  softmax running max of the tiles it kept.
+* `_decode_kernel` (sequences with `q_len == 1`): one program per (sequence, KV head, split of SPLIT_TOKENS
+  keys); a split other than the first reads tile 0 once more for its rows' anchor. The GQA group of query heads
+  sharing the KV head is processed together (rows of one `tl.dot`), every decision per query-head row; V is
+  loaded only when at least one row keeps the tile. Sequences with one split write the output directly; otherwise
   each split stores its (max, sum, unnormalised accumulator) and `_decode_merge_kernel` merges them exactly
   (log-sum-exp). The number of splits is bounded by `block_table.shape[1] * page_size` (no host read); pass
   `max_seqlen_k` (a host int that must bound every `seq_lens_k`, e.g. vLLM's `max_seq_len`) to tighten it. The
@@ -30,9 +36,10 @@ Kernels
 
 Runtime values
 --------------
-`ln λ` is read from the `log_lams` tensor inside the kernels, never a `tl.constexpr`: changing λ never
-compiles a new variant. Compile-time values are the geometry (TILE_Q, TILE_K, splits), the head size, the GQA
-group, the page size, the dtype, the number of calibration trials and the mode (dense / serving / calibration).
+`ln λ` of a row is computed inside the kernels from runtime tensors (`log_sf` [B, T, 2], `gamma` [B, 2],
+`prompt_lens` [B]), never a `tl.constexpr`: changing λ or the law never compiles a new variant. Compile-time
+values are the geometry (TILE_Q, TILE_K, splits), the head size, the GQA group, the page size, the dtype, the
+number of calibration trials and the mode (dense / serving / calibration).
 
 Counts are accumulated per program in registers and added with one `tl.atomic_add` per (program, trial) into
 the int64 `[B, T, 2]` buffer (integer adds: exact and order independent).
@@ -67,11 +74,97 @@ import torch
 import triton
 import triton.language as tl
 
-from .semantics import DECODE_SPLIT_TOKENS, TILE_K, TILE_Q
+from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 MIN_PAGE_SIZE = 16
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tile-loop pieces shared by the prefill and decode kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_k_tile(k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in,
+                 stride_kb, stride_kp, stride_kh, stride_kd, PAGE: tl.constexpr):  # fmt: skip
+    """K^T of keys `kpos` ([BLOCK_D, BLOCK_K], zeros where masked) and their (page id, slot)."""
+    page_id = tl.load(bt_row + kpos // PAGE, mask=k_in, other=0).to(tl.int64)
+    slot = kpos % PAGE
+    ptrs = k_ptr + page_id[None, :] * stride_kb + slot[None, :] * stride_kp + kv_head * stride_kh
+    kt = tl.load(ptrs + offs_d[:, None] * stride_kd, mask=k_in[None, :] & d_in[:, None], other=0.0)
+    return kt, page_id, slot
+
+
+@triton.jit
+def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd):
+    """V of the tile's keys ([BLOCK_K, BLOCK_D]); masked keys (past kv_len) read as zeros, never as stale data."""
+    ptrs = v_ptr + page_id[:, None] * stride_vb + slot[:, None] * stride_vp + kv_head * stride_vh
+    return tl.load(ptrs + offs_d[None, :] * stride_vd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+
+
+@triton.jit
+def _scores(q, kt, softmax_scale, FP32_DOT: tl.constexpr):
+    if FP32_DOT:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s * softmax_scale
+
+
+@triton.jit
+def _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len):
+    """ln λ of rows at `pos` (broadcasting): decode iff pos >= prompt_len, n = prompt_len or pos + 1; -inf = keep."""
+    is_dec = pos >= prompt_len
+    n = tl.where(is_dec, pos + 1, tl.maximum(prompt_len, 1)).to(tl.float32)
+    x = tl.where(is_dec, c_dec, c_pre) - tl.where(is_dec, g_dec, g_pre) * tl.log(n)
+    return tl.where(x < 0.0, x, float("-inf"))
+
+
+@triton.jit
+def _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable):
+    """The per-row skip test: drop iff the tile's max is below ln λ of the anchored split max (broadcasting)."""
+    return droppable & (tile_max - tl.maximum(m_anchor, m_split) < log_lam)
+
+
+@triton.jit
+def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr):
+    """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator)."""
+    m_new = tl.where(keep_row, tl.maximum(m_i, tile_max), m_i)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.where(keep_row[:, None], tl.exp(s - m_safe[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP32_DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS: tl.constexpr, MODE: tl.constexpr):
+    """Per-sequence law values: (c_prefill, c_decode) per trial ([TRIALS_P2], MODE 2) or scalars, and γ."""
+    base = log_sf_ptr + seq.to(tl.int64) * (N_TRIALS * 2)
+    if MODE == 2:
+        t_in = trials < N_TRIALS
+        c_pre = tl.load(base + trials * 2, mask=t_in, other=float("-inf"))
+        c_dec = tl.load(base + trials * 2 + 1, mask=t_in, other=float("-inf"))
+    else:
+        c_pre = tl.load(base)
+        c_dec = tl.load(base + 1)
+    g_pre = tl.load(gamma_ptr + seq * 2)
+    g_dec = tl.load(gamma_ptr + seq * 2 + 1)
+    return c_pre, c_dec, g_pre, g_dec
+
+
+@triton.jit
+def _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS: tl.constexpr):
+    c_ptrs = counts_ptr + (seq * N_TRIALS + trials) * 2
+    t_in = trials < N_TRIALS
+    tl.atomic_add(c_ptrs, (n_drop * 0 + n_visited).to(tl.int64), mask=t_in)
+    tl.atomic_add(c_ptrs + 1, n_drop.to(tl.int64), mask=t_in)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -81,18 +174,18 @@ MIN_PAGE_SIZE = 16
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, log_lams_ptr, counts_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
     softmax_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
-    stride_bt, stride_lam,
+    stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
-    # MODE: 0 dense without counts, 1 serving (skip tiles of trial 0), 2 calibration (dense, count all trials).
+    # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -122,88 +215,64 @@ def _prefill_kernel(
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_in[:, None] & d_in[None, :], other=0.0)
 
-    # Last key each row sees (causal suffix); rows past q_len are never valid and never stored.
-    last_key = kv_len - q_len + rows
+    pos = kv_len - q_len + rows  # absolute position = last key each row sees
     last_row = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-    n_kblocks = (kv_len - q_len + last_row) // BLOCK_K + 1  # every one of them is visited
+    n_kblocks = (kv_len - q_len + last_row) // BLOCK_K + 1  # every one of them is visited by some row
+
+    trials = tl.arange(0, TRIALS_P2)
+    prompt_len = tl.load(prompt_ptr + seq)
+    log_lam = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    log_lam2 = tl.full([BLOCK_Q, TRIALS_P2], float("-inf"), tl.float32)
+    if MODE != 0:
+        c_pre, c_dec, g_pre, g_dec = _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS, MODE)
+        if MODE == 1:
+            log_lam = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
+        else:
+            log_lam2 = _row_log_lambda(c_pre[None, :], c_dec[None, :], g_pre, g_dec, pos[:, None], prompt_len)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    m_anchor = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    m_split = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    n_skip = tl.zeros([TRIALS_P2], tl.int32)
-    trials = tl.arange(0, TRIALS_P2)
-    if MODE == 2:
-        lams = tl.load(log_lams_ptr + seq * stride_lam + trials, mask=trials < N_TRIALS, other=float("-inf"))
-    else:
-        lams = tl.full([TRIALS_P2], float("-inf"), tl.float32)
-    lam0 = float("-inf")
-    if MODE == 1:
-        lam0 = tl.load(log_lams_ptr + seq * stride_lam)
+    n_drop = tl.zeros([TRIALS_P2], tl.int32)
+    n_visited = 0
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for kb in range(0, n_kblocks):
         kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_in = kpos < kv_len
-        page_id = tl.load(bt_row + kpos // PAGE, mask=k_in, other=0).to(tl.int64)
-        slot = kpos % PAGE
-        kt_ptrs = (
-            k_ptr
-            + page_id[None, :] * stride_kb
-            + slot[None, :] * stride_kp
-            + kv_head * stride_kh
-            + offs_d[:, None] * stride_kd
+        kt, page_id, slot = _load_k_tile(
+            k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
-        kt = tl.load(kt_ptrs, mask=k_in[None, :] & d_in[:, None], other=0.0)  # [BLOCK_D, BLOCK_K]
-        if FP32_DOT:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = s * softmax_scale
-        visible = k_in[None, :] & (kpos[None, :] <= last_key[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        s = _scores(q, kt, softmax_scale, FP32_DOT)
+        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
         tile_max = tl.max(s, axis=1)
-        valid = row_in & (kb * BLOCK_K <= last_key)
-        gap = tile_max - m_i  # +inf on a row's first tile (m = -inf): never skipped
-
-        keep = True
+        valid = row_in & (kb * BLOCK_K <= pos)
+        n_visited += tl.sum(valid.to(tl.int32), axis=0)
+        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+        m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
+        droppable = valid & (kb > 0)
+        keep_row = valid
         if MODE == 1:
-            n_fail = tl.sum((valid & ~(gap < lam0)).to(tl.int32), axis=0)
-            keep = n_fail > 0
-            n_skip += tl.where(trials == 0, 1 - keep.to(tl.int32), 0)
+            drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
+            keep_row = valid & ~drop
+            n_drop += tl.where(trials == 0, tl.sum(drop.to(tl.int32), axis=0), 0)
         if MODE == 2:
-            fail = valid[:, None] & ~(gap[:, None] < lams[None, :])
-            n_skip += (tl.sum(fail.to(tl.int32), axis=0) == 0).to(tl.int32)
-        if keep:
-            m_new = tl.maximum(m_i, tile_max)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_ptrs = (
-                v_ptr
-                + page_id[:, None] * stride_vb
-                + slot[:, None] * stride_vp
-                + kv_head * stride_vh
-                + offs_d[None, :] * stride_vd
-            )
-            v = tl.load(v_ptrs, mask=k_in[:, None] & d_in[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-            if FP32_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
+            n_drop += tl.sum(drop2.to(tl.int32), axis=0)
+        m_split = tl.maximum(m_split, tile_max)
+        if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
+            v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                             stride_vd)  # fmt: skip
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & d_in[None, :])
-
     if MODE != 0:
-        c_ptrs = counts_ptr + (seq * N_TRIALS + trials) * 2
-        t_in = trials < N_TRIALS
-        tl.atomic_add(c_ptrs, (n_skip * 0 + n_kblocks).to(tl.int64), mask=t_in)
-        tl.atomic_add(c_ptrs + 1, n_skip.to(tl.int64), mask=t_in)
+        _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -213,13 +282,14 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["max_splits"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, log_lams_ptr, counts_ptr, ws_acc_ptr, ws_ml_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
+    ws_acc_ptr, ws_ml_ptr,
     softmax_scale, max_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
-    stride_bt, stride_lam,
+    stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -246,70 +316,58 @@ def _decode_kernel(
     q_ptrs = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=g_in[:, None] & d_in[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    n_skip = tl.zeros([TRIALS_P2], tl.int32)
+    pos = kv_len - 1
     trials = tl.arange(0, TRIALS_P2)
-    if MODE == 2:
-        lams = tl.load(log_lams_ptr + seq * stride_lam + trials, mask=trials < N_TRIALS, other=float("-inf"))
-    else:
-        lams = tl.full([TRIALS_P2], float("-inf"), tl.float32)
-    lam0 = float("-inf")
-    if MODE == 1:
-        lam0 = tl.load(log_lams_ptr + seq * stride_lam)
+    prompt_len = tl.load(prompt_ptr + seq)
+    log_lam = float("-inf")
+    log_lam2 = tl.full([TRIALS_P2], float("-inf"), tl.float32)
+    if MODE != 0:
+        c_pre, c_dec, g_pre, g_dec = _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS, MODE)
+        if MODE == 1:
+            log_lam = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
+        else:
+            log_lam2 = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    m_anchor = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    if (MODE != 0) & (split > 0):  # the anchor of this split's rows: tile 0's max
+        kpos0 = tl.arange(0, BLOCK_K)
+        k_in0 = kpos0 < kv_len
+        kt0, _p0, _s0 = _load_k_tile(
+            k_ptr, bt_row, kpos0, k_in0, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
+        )
+        s0 = tl.where(k_in0[None, :], _scores(q, kt0, softmax_scale, FP32_DOT), float("-inf"))
+        m_anchor = tl.max(s0, axis=1)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    m_split = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    n_drop = tl.zeros([TRIALS_P2], tl.int32)
     for kb in range(kb_start, kb_end):
         kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_in = kpos < kv_len
-        page_id = tl.load(bt_row + kpos // PAGE, mask=k_in, other=0).to(tl.int64)
-        slot = kpos % PAGE
-        kt_ptrs = (
-            k_ptr
-            + page_id[None, :] * stride_kb
-            + slot[None, :] * stride_kp
-            + kv_head * stride_kh
-            + offs_d[:, None] * stride_kd
+        kt, page_id, slot = _load_k_tile(
+            k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
-        kt = tl.load(kt_ptrs, mask=k_in[None, :] & d_in[:, None], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(k_in[None, :], s * softmax_scale, float("-inf"))  # [BLOCK_G, BLOCK_K]
+        s = tl.where(k_in[None, :], _scores(q, kt, softmax_scale, FP32_DOT), float("-inf"))  # [BLOCK_G, BLOCK_K]
         tile_max = tl.max(s, axis=1)
-        gap = tile_max - m_i  # +inf on the split's first tile: never skipped
-
-        keep_row = g >= 0
+        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+        droppable = g_in & (kb > 0)
+        keep_row = g_in
         if MODE == 1:
-            skip_row = g_in & (gap < lam0)
-            keep_row = ~skip_row
-            n_skip += tl.where(trials == 0, tl.sum(skip_row.to(tl.int32), axis=0), 0)
+            drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
+            keep_row = g_in & ~drop
+            n_drop += tl.where(trials == 0, tl.sum(drop.to(tl.int32), axis=0), 0)
         if MODE == 2:
-            skip_rt = g_in[:, None] & (gap[:, None] < lams[None, :])
-            n_skip += tl.sum(skip_rt.to(tl.int32), axis=0)
-        n_keep = tl.sum((keep_row & g_in).to(tl.int32), axis=0)
-        if n_keep > 0:
-            m_new = tl.where(keep_row, tl.maximum(m_i, tile_max), m_i)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.where(keep_row[:, None], tl.exp(s - m_safe[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_ptrs = (
-                v_ptr
-                + page_id[:, None] * stride_vb
-                + slot[:, None] * stride_vp
-                + kv_head * stride_vh
-                + offs_d[None, :] * stride_vd
-            )
-            v = tl.load(v_ptrs, mask=k_in[:, None] & d_in[None, :], other=0.0)
-            if FP32_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2[None, :],
+                               droppable[:, None])  # fmt: skip
+            n_drop += tl.sum(drop2.to(tl.int32), axis=0)
+        m_split = tl.maximum(m_split, tile_max)
+        if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
+            v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                             stride_vd)  # fmt: skip
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT)
 
     if n_splits == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -321,13 +379,8 @@ def _decode_kernel(
         tl.store(ws_acc_ptr + ws_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_in[:, None])
         tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=g_in)
         tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=g_in)
-
     if MODE != 0:
-        c_ptrs = counts_ptr + (seq * N_TRIALS + trials) * 2
-        t_in = trials < N_TRIALS
-        n_visited = (kb_end - kb_start) * GROUP
-        tl.atomic_add(c_ptrs, (n_skip * 0 + n_visited).to(tl.int64), mask=t_in)
-        tl.atomic_add(c_ptrs + 1, n_skip.to(tl.int64), mask=t_in)
+        _add_counts(counts_ptr, seq, trials, (kb_end - kb_start) * GROUP, n_drop, N_TRIALS)
 
 
 @triton.jit(do_not_specialize=["max_splits"])
@@ -346,7 +399,8 @@ def _decode_merge_kernel(
         return
     offs_d = tl.arange(0, BLOCK_D)
     base = (seq.to(tl.int64) * NUM_HEADS + head) * max_splits
-    m = tl.load(ws_ml_ptr + base * 2)  # split 0; every split has a finite max (its first tile is never skipped)
+    m = tl.load(ws_ml_ptr + base * 2)  # split 0: finite (tile 0 is never dropped); a later split may be all
+    # dropped (max -inf, sum 0): it then contributes exp(-inf) = 0
     l_tot = tl.load(ws_ml_ptr + base * 2 + 1)
     acc = tl.load(ws_acc_ptr + base * BLOCK_D + offs_d)
     for sp in range(1, n_splits):
@@ -390,16 +444,16 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     return None
 
 
-def _check_triton_inputs(q, k_cache, log_lams, calibrate) -> None:
+def _check_triton_inputs(q, k_cache, log_sf, calibrate) -> None:
     reason = unsupported_reason(q, k_cache)
     if reason is not None:
         dtype_problem = q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
         raise (TypeError if dtype_problem else ValueError)(reason)
-    if log_lams is not None:
-        if log_lams.dim() != 2 or log_lams.dtype != torch.float32:
-            raise ValueError(f"log_lams must be a float32 [B, T] tensor, got {log_lams.dtype} {tuple(log_lams.shape)}")
-        if not calibrate and log_lams.shape[1] != 1:
-            raise ValueError(f"serving takes one λ per sequence (T == 1), got T={log_lams.shape[1]}")
+    if log_sf is not None:
+        if log_sf.dim() != 3 or log_sf.shape[2] != 2 or log_sf.dtype != torch.float32:
+            raise ValueError(f"log_sf must be a float32 [B, T, 2] tensor, got {log_sf.dtype} {tuple(log_sf.shape)}")
+        if not calibrate and log_sf.shape[1] != 1:
+            raise ValueError(f"serving takes one law per sequence (T == 1), got T={log_sf.shape[1]}")
 
 
 def paged_skip_softmax_attention_triton(
@@ -411,20 +465,23 @@ def paged_skip_softmax_attention_triton(
     seq_lens_k: torch.Tensor,
     *,
     softmax_scale: float,
-    log_lams: torch.Tensor | None,
+    log_sf: torch.Tensor | None,
+    gamma: torch.Tensor,
+    prompt_lens: torch.Tensor,
     calibrate: bool,
     out: torch.Tensor,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor | None:
     """Triton backend of `paged_skip_softmax_attention` (arguments validated and normalised by the caller).
 
-    Same contract as `paged_skip_softmax_attention_reference`: `log_lams` is [B, T] float32 ln(λ) (-inf = dense)
-    or None (dense, no counts); with `calibrate` the output is dense and counts cover all T trials, otherwise
-    T == 1 and the tiles of that λ are skipped. Writes rows `< total_q` of `out` only. Returns int64 counts
-    [B, T, 2] (visited, skipped) or None. `max_seqlen_k` (optional host int, an upper bound of `seq_lens_k`)
-    only shrinks the decode grid and workspace; without it the bound is `block_table.shape[1] * page_size`.
+    Same contract as `paged_skip_softmax_attention_reference`: `log_sf` [B, T, 2] float32 (per trial and phase,
+    -inf = dense) or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with `calibrate` the output is
+    dense and counts cover all T trials, otherwise T == 1 and each row's drops are applied. Writes rows
+    `< total_q` of `out` only. Returns int64 counts [B, T, 2] (visited, dropped row-tiles) or None.
+    `max_seqlen_k` (optional host int, an upper bound of `seq_lens_k`) only shrinks the decode grid and
+    workspace; without it the bound is `block_table.shape[1] * page_size`.
     """
-    _check_triton_inputs(q, k_cache, log_lams, calibrate)
+    _check_triton_inputs(q, k_cache, log_sf, calibrate)
     batch = seq_lens_k.shape[0]
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -432,37 +489,38 @@ def paged_skip_softmax_attention_triton(
     group = num_heads // num_kv_heads
     device = q.device
 
-    if log_lams is None:
+    if log_sf is None:
         mode, n_trials = 0, 1
         counts = None
-        lams_arg = torch.empty(batch, 1, dtype=torch.float32, device=device)
+        log_sf_arg = torch.empty(batch, 1, 2, dtype=torch.float32, device=device)
     else:
         mode = 2 if calibrate else 1
-        n_trials = log_lams.shape[1]
+        n_trials = log_sf.shape[1]
         counts = torch.zeros(batch, n_trials, 2, dtype=torch.int64, device=device)
-        lams_arg = log_lams.contiguous()
+        log_sf_arg = log_sf.contiguous()
     counts_arg = counts if counts is not None else torch.zeros(1, dtype=torch.int64, device=device)
     if batch == 0 or total_q == 0:
         return counts
 
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     kv_lens = seq_lens_k.to(torch.int32).contiguous()
+    prompts = prompt_lens.to(device=device, dtype=torch.int32).contiguous()
+    gamma_arg = gamma.to(device=device, dtype=torch.float32).contiguous()
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     block_d = max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
     trials_p2 = triton.next_power_of_2(n_trials)
     fp32_dot = q.dtype == torch.float32
-    common_strides = (
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0), lams_arg.stride(0),
-    )  # fmt: skip
+    common_strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0))
+    law = (prompts, log_sf_arg, gamma_arg, counts_arg)
 
     # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
     warps, stages = _launch_params(head_dim)
     grid = (total_q // TILE_Q + batch, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, bt, cu_q, kv_lens, lams_arg, counts_arg,
+        q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
         float(softmax_scale), batch, *common_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=TILE_Q, BLOCK_K=TILE_K,
-        N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot,
+        SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -470,24 +528,24 @@ def paged_skip_softmax_attention_triton(
     max_kv = block_table.shape[1] * page
     if max_seqlen_k is not None:
         max_kv = min(max_kv, int(max_seqlen_k))
-    max_splits = max(1, math.ceil(max_kv / DECODE_SPLIT_TOKENS))
+    max_splits = max(1, math.ceil(max_kv / SPLIT_TOKENS))
     if max_splits > 1:
         ws_acc = torch.empty(batch * num_heads * max_splits * block_d, dtype=torch.float32, device=device)
         ws_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=device)
     else:
         ws_acc = ws_ml = torch.empty(1, dtype=torch.float32, device=device)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, out, bt, cu_q, kv_lens, lams_arg, counts_arg, ws_acc, ws_ml,
+        q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law, ws_acc, ws_ml,
         float(softmax_scale), max_splits, *common_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=DECODE_SPLIT_TOKENS // TILE_K,
+        NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
         N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             out, cu_q, kv_lens, ws_acc, ws_ml, max_splits, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_HEADS=num_heads, SPLIT_TOKENS=DECODE_SPLIT_TOKENS,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_HEADS=num_heads, SPLIT_TOKENS=SPLIT_TOKENS,
             num_warps=1,
         )  # fmt: skip
     return counts
