@@ -13,6 +13,7 @@ causal, sliding window, logit soft-capping, attention sinks, non-causal attentio
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,11 +58,27 @@ class SparseAttentionState:
     collector: Any = None
 
     def threshold_for(self, phase: str, kv_len: int) -> float | None:
-        """λ for one sequence: calibrated a*exp(b*target)/kv_len, else the static λ, else None (dense)."""
+        """λ of a row of this phase whose law length is `kv_len` (for reports; the kernel computes it per row)."""
+        c, gamma = self.law_for(phase)
+        lam = math.exp(c - gamma * math.log(max(kv_len, 1))) if math.isfinite(c) else None
+        return lam if lam is not None and lam < 1.0 else None
+
+    def law_for(self, phase: str) -> tuple[float, float]:
+        """(c, γ) of docs/skip_softmax.md for a phase: ln λ_row = c − γ·ln(n); c = -inf means dense.
+
+        Calibrated: c = ln a + b·target with the checkpoint's length exponent (1 for ModelOpt's law); a static λ:
+        c = ln λ, γ = 0.
+        """
         cal = self.calibration.get(phase)
         if cal is not None:
-            return cal.scale_factor / kv_len
-        return self.threshold.get(phase)
+            c = getattr(cal, "log_scale_factor", None)
+            if c is None:
+                c = math.log(cal.a) + cal.b * cal.target_sparsity
+            return float(c), float(getattr(cal, "length_exponent", 1.0))
+        lam = self.threshold.get(phase)
+        if lam is None or not 0.0 < lam < 1.0:
+            return -math.inf, 0.0
+        return math.log(lam), 0.0
 
     def add_stats(self, phase: str, counts: torch.Tensor) -> None:
         total = counts.sum(dim=(0, 1))
@@ -269,23 +286,30 @@ def run_skip_softmax(
     device = query.device
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    # transformers runs a prompt whole, then one token per step: the kernel's default prompt lengths (q_len > 1 is
+    # all prompt, q_len == 1 is decode) are exact here, so the law matches what vLLM serves per row.
     common = dict(softmax_scale=scale, backend=state.backend)
     if state.collector is not None:
-        trials = [sf / kv_len for sf in state.collector.scale_factors]
+        # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.
+        log_sf = torch.tensor([math.log(sf) for sf in state.collector.scale_factors], dtype=torch.float32)
+        log_sf = log_sf.to(device)[None, :, None].expand(batch, -1, 2)
         out, counts = paged_skip_softmax_attention(
-            q, k_view, v_view, table, cu, seq_lens, threshold_trials=trials, **common
-        )
+            q, k_view, v_view, table, cu, seq_lens, log_scale_factors=log_sf,
+            length_exponents=torch.ones(2, device=device), **common,
+        )  # fmt: skip
         state.collector.add(phase, kv_len, counts)
     else:
-        lam = state.threshold_for(phase, kv_len)  # λ >= 1 (short sequences) is dense by the kernel's contract
-        if state.collect_stats:
-            out, counts = paged_skip_softmax_attention(
-                q, k_view, v_view, table, cu, seq_lens, skip_threshold=lam, return_skip_counts=True, **common
-            )
+        (c_pre, g_pre), (c_dec, g_dec) = state.law_for("prefill"), state.law_for("decode")
+        law = dict(
+            log_scale_factors=torch.tensor([[c_pre, c_dec]], dtype=torch.float32, device=device).expand(batch, 2),
+            length_exponents=torch.tensor([g_pre, g_dec], dtype=torch.float32, device=device),
+        )
+        result = paged_skip_softmax_attention(
+            q, k_view, v_view, table, cu, seq_lens, return_skip_counts=state.collect_stats, **law, **common
+        )
+        out, counts = result if state.collect_stats else (result, None)
+        if counts is not None:
             state.add_stats(phase, counts)
-        else:
-            out = paged_skip_softmax_attention(q, k_view, v_view, table, cu, seq_lens, skip_threshold=lam, **common)
-            counts = None
     return out.view(batch, q_len, hq, d), counts
 
 
