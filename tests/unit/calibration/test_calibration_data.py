@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from modelopt_ext.torch.sparsity.attention_sparsity.calibration import natural_text
 from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import (
     BASE_TASKS,
     ESSAY_TASK,
@@ -64,19 +65,22 @@ def test_target_lengths_are_powers_of_two():
 
 
 def test_lengths_land_just_under_powers_of_two(tokenizer):
-    samples = build_calibration_prompts(tokenizer, num_samples=16, max_seqlen=2048, min_seqlen=256, use_cache=False)
-    assert len(samples) == 16
+    n = 4 * len(BASE_TASKS)
+    samples = build_calibration_prompts(tokenizer, num_samples=n, max_seqlen=2048, min_seqlen=256, use_cache=False)
+    assert len(samples) == n
     assert {s.target_length for s in samples} == {2048, 1024, 512, 256}
     for s in samples:
         assert s.num_tokens == len(tokenizer.encode(s.prompt))
-        # one haystack unit (a sentence, a needle line, a word) is far below 32 tokens
-        assert s.target_length - 32 <= s.num_tokens <= s.target_length, (s.task, s.target_length, s.num_tokens)
+        # one haystack unit (a sentence, a needle line, a word, a line of text or code) is below 48 tokens
+        assert s.target_length - 48 <= s.num_tokens <= s.target_length, (s.task, s.target_length, s.num_tokens)
     # every (length, task) pair is covered by n_bins * n_tasks samples
     assert {(s.target_length, s.task) for s in samples} == {(n, t) for n in (2048, 1024, 512, 256) for t in BASE_TASKS}
 
 
 def test_task_contents(tokenizer):
-    samples = build_calibration_prompts(tokenizer, num_samples=4, max_seqlen=512, min_seqlen=512, use_cache=False)
+    samples = build_calibration_prompts(
+        tokenizer, num_samples=len(BASE_TASKS), max_seqlen=512, min_seqlen=512, use_cache=False
+    )
     by_task = {s.task: s.prompt for s in samples}
     assert set(by_task) == set(BASE_TASKS)
     for task in ("niah_noise", "niah_needle"):
@@ -88,6 +92,21 @@ def test_task_contents(tokenizer):
     assert f"= VAR {first}." in vt
     words = by_task["freq_words_extraction"].split("\n")[1].split()
     assert len(words) > 50 and len(set(words)) < len(words) / 2  # Zipf: a few words dominate
+    # natural text from the calibration split only
+    assert re.search(r"\b(the|of|and)\b", by_task["prose"]) and "def " in by_task["code"]
+    heldout = {name for src in natural_text.SOURCES for name, _ in natural_text.documents(src, "heldout")}
+    for src in natural_text.SOURCES:
+        texts = dict(natural_text.documents(src, "heldout"))
+        first_lines = {t.splitlines()[0] for t in texts.values() if t.splitlines()[0].strip()}
+        assert not any(line in by_task[src].splitlines() for line in first_lines if len(line) > 30), src
+    assert heldout and not heldout & {n for src in natural_text.SOURCES for n, _ in
+                                      natural_text.documents(src, "calibration")}  # fmt: skip
+
+
+def test_heldout_prompts_have_the_requested_length(tokenizer):
+    for source in natural_text.SOURCES:
+        text, n = natural_text.heldout_prompt(tokenizer, source, 700)
+        assert 650 <= n <= 700 and n == len(tokenizer.encode(text))
 
 
 def test_deterministic_for_a_seed(tokenizer):
@@ -129,7 +148,7 @@ def test_essay_dir_adds_an_essay_haystack(tokenizer, tmp_path):
     (essays / "a.txt").write_text("Startups are hard. Most of them fail early.\nThe ones that live learn fast. " * 3)
     (essays / "b.txt").write_text("Writing is thinking. Clear prose comes from clear ideas. ")
     samples = build_calibration_prompts(
-        tokenizer, num_samples=5, max_seqlen=512, min_seqlen=512, data_dir=essays, use_cache=False
+        tokenizer, num_samples=len(BASE_TASKS) + 1, max_seqlen=512, min_seqlen=512, data_dir=essays, use_cache=False
     )
     essay = [s for s in samples if s.task == ESSAY_TASK]
     assert len(essay) == 1

@@ -8,6 +8,9 @@ distractors), at several lengths, because the fitted law must hold across kv_len
 - `niah_essay`: a needle in real prose, only when `data_dir` holds essay `.txt` files.
 - `variable_tracking`: a chain `VAR A = 12345`, `VAR B = VAR A`, ... scattered through filler; asks for all names.
 - `freq_words_extraction`: a long Zipf-distributed stream of made-up words; asks for the three most frequent.
+- `prose` / `code`: natural English documentation and Python source that CPython ships (calibration split of
+  `natural_text.py`; the held-out split is kept for the fidelity benchmark), so the fitted law also sees the
+  attention of ordinary text, not only of synthetic retrieval tasks.
 
 Lengths are powers of two between `min_seqlen` and `max_seqlen`; each prompt is grown (by whole haystack units)
 to the largest size whose token count with the given tokenizer, special tokens included, is <= the target.
@@ -27,13 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..plugins.sparse_attn_config import write_json_atomic
+from ..atomic_io import write_json_atomic
+from . import natural_text
 
 logger = logging.getLogger(__name__)
 
 # Bump when generation changes, so stale caches are not reused.
-BUILDER_VERSION = 1
-BASE_TASKS = ("niah_noise", "niah_needle", "variable_tracking", "freq_words_extraction")
+BUILDER_VERSION = 2
+BASE_TASKS = ("niah_noise", "niah_needle", "variable_tracking", "freq_words_extraction", "prose", "code")
 ESSAY_TASK = "niah_essay"
 
 _FILLER = (
@@ -158,6 +162,9 @@ def _task_renderer(task: str, rng: random.Random, essay_sentences: list[str]) ->
             "above coded text? Answer: According to the coded text above, the three most frequently appeared "
             "words are:"
         )
+    if task in natural_text.SOURCES:
+        lines = natural_text.line_stream(task, "calibration", stream_seed)
+        return lambda size: natural_text.render_prefix(lines, size)
     raise ValueError(f"unknown calibration task {task!r}; known: {[*BASE_TASKS, ESSAY_TASK]}")
 
 
