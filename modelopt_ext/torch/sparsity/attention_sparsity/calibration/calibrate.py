@@ -17,14 +17,18 @@ import torch
 from torch import nn
 
 from ..config import PHASES, SkipSoftmaxCalibrationConfig
-from ..plugins.huggingface import SparseAttentionState
+from ..plugins.huggingface import SparseAttentionState, prompt_length
 from .fit import CalibrationFitError, CalibrationRecord, PhaseFit, aggregate_counts, default_threshold_trials, fit_phase
 
 logger = logging.getLogger(__name__)
 
 
 class CountCollector:
-    """Sums [B, T, 2] trial counts over layers within one model forward, then emits one record per sequence."""
+    """Sums [B, T, 2] trial counts over layers within one model forward, then emits one record per sequence.
+
+    Prefill chunks of one request (`prompt_length`) share a sample id, so a chunked prompt is one sample, as if
+    it had run whole; each decode step is a sample of its own length.
+    """
 
     def __init__(self, scale_factors: list[float]):
         self.scale_factors = list(scale_factors)
@@ -32,15 +36,16 @@ class CountCollector:
         self._step: dict[tuple[str, int], torch.Tensor] = {}
         self._step_id = 0
 
-    def add(self, phase: str, kv_len: int, counts: torch.Tensor) -> None:
-        key = (phase, kv_len)
+    def add(self, phase: str, kv_len: int, counts: torch.Tensor, request: int | None = None) -> None:
+        key = (phase, kv_len, request if phase == "prefill" else None)
         prev = self._step.get(key)
         self._step[key] = counts if prev is None else prev + counts
 
     def end_step(self) -> None:
-        for (phase, kv_len), counts in self._step.items():
+        for (phase, kv_len, request), counts in self._step.items():
+            sample = ("step", self._step_id) if request is None else ("request", request)
             for b, per_seq in enumerate(counts.cpu()):
-                self.records.append(CalibrationRecord(phase, kv_len, per_seq, seq_id=(self._step_id, b)))
+                self.records.append(CalibrationRecord(phase, kv_len, per_seq, seq_id=(*sample, b)))
         self._step.clear()
         self._step_id += 1
 
@@ -60,14 +65,16 @@ def run_sample(model: nn.Module, input_ids: torch.Tensor, *, chunk_size: int, de
     cache = DynamicCache(config=model.config)
     length = input_ids.shape[1]
     out = None
-    for start in range(0, length, chunk_size):
-        out = model(input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
     generated = []
-    next_token = out.logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(decode_tokens):
-        generated.append(next_token)
-        out = model(next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with prompt_length(length):  # chunks get the prompt's λ, as vLLM serves them
+        for start in range(0, length, chunk_size):
+            chunk = input_ids[:, start : start + chunk_size]
+            out = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
         next_token = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(decode_tokens):
+            generated.append(next_token)
+            out = model(next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(generated, dim=1) if generated else input_ids.new_zeros(1, 0)
 
 

@@ -12,6 +12,9 @@ causal, sliding window, logit soft-capping, attention sinks, non-causal attentio
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import itertools
 import logging
 import math
 import weakref
@@ -268,6 +271,25 @@ def skip_softmax_attention_forward(
     return out, None
 
 
+_PROMPT: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("modelopt_ext_prompt", default=None)
+_REQUEST_IDS = itertools.count()
+
+
+@contextlib.contextmanager
+def prompt_length(num_tokens: int):
+    """Tell the attention the prompt length while a prompt is prefilled in chunks (and its tokens decoded).
+
+    transformers' `generate` runs a prompt whole, where the kernel's default (q_len > 1 is all prompt) is exact;
+    a caller that cuts the prompt into chunks wraps the whole request in this, so every row gets the λ of its
+    phase and length exactly as vLLM serves it (docs/skip_softmax.md, "λ of a row").
+    """
+    token = _PROMPT.set((int(num_tokens), next(_REQUEST_IDS)))
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
 def run_skip_softmax(
     state: SparseAttentionState,
     query: torch.Tensor,
@@ -278,7 +300,14 @@ def run_skip_softmax(
     """Call the kernel on HF-layout tensors; returns ([B, q, Hq, D], counts or None) and records stats/calibration."""
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
-    phase = "decode" if q_len == 1 else "prefill"
+    prompt = _PROMPT.get()
+    request = None if prompt is None else prompt[1]
+    prompt_len = kv_len - 1 if q_len == 1 else kv_len
+    if prompt is not None:
+        prompt_len = prompt[0]
+    # A call's phase (for statistics and calibration records) is its first row's; n is the law's length.
+    phase = "decode" if kv_len - q_len >= prompt_len else "prefill"
+    law_len = kv_len if phase == "decode" else prompt_len
     scale = float(scaling) if scaling is not None else d**-0.5
     on_triton = query.is_cuda and state.backend != "torch"
     k_view, v_view, table = hf_kv_as_paged(key, value, TRITON_PAGE_SIZE if on_triton else None)
@@ -286,9 +315,8 @@ def run_skip_softmax(
     device = query.device
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
-    # transformers runs a prompt whole, then one token per step: the kernel's default prompt lengths (q_len > 1 is
-    # all prompt, q_len == 1 is decode) are exact here, so the law matches what vLLM serves per row.
-    common = dict(softmax_scale=scale, backend=state.backend)
+    prompt_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
+    common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens)
     if state.collector is not None:
         # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.
         log_sf = torch.tensor([math.log(sf) for sf in state.collector.scale_factors], dtype=torch.float32)
@@ -297,7 +325,7 @@ def run_skip_softmax(
             q, k_view, v_view, table, cu, seq_lens, log_scale_factors=log_sf,
             length_exponents=torch.ones(2, device=device), **common,
         )  # fmt: skip
-        state.collector.add(phase, kv_len, counts)
+        state.collector.add(phase, law_len, counts, request=request)
     else:
         (c_pre, g_pre), (c_dec, g_dec) = state.law_for("prefill"), state.law_for("decode")
         law = dict(
