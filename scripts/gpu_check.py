@@ -16,6 +16,16 @@ a phase that times out is killed and the next one still runs, and every phase wr
 3. gpu tests    -> pytest.log, pytest.xml (`pytest -m gpu tests/`)
 4. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
 5. summary      -> summary.txt, summary.json (printed last)
+
+What a GPU must confirm (changes made without one; read the table with these in mind):
+
+- Skip semantics v2 (docs/skip_softmax.md): the Triton kernels now decide per row, compute ln λ per row from
+  runtime law tensors, keep two extra row maxima (anchor, split max), zero dropped rows' P in blocks some rows keep,
+  and read tile 0 once more per decode split (3 % more K reads at a full split). Their tile loop moved into shared
+  `@triton.jit` helpers (`_load_k_tile`, `_load_v_tile`, `_row_log_lambda`, `_drop_rows`,
+  `_online_softmax_update`), which Triton inlines. Expected: the dense (λ off) time unchanged within noise against
+  SDPA in the same run, no new register spills (the sm_90 compile test prints none), the realized-sparsity speedup
+  still tracking the 2/(2-s) bound, and one compiled variant per (shape, mode) whatever λ or the law.
 """
 
 from __future__ import annotations
