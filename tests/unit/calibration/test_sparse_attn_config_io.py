@@ -1,4 +1,4 @@
-"""sparse_attention_config: parsing (ModelOpt schema), building, atomic writing, reading back."""
+"""sparse_attention_config: parsing (ModelOpt schema + ours), every mistake named, building, merging, atomic I/O."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -20,36 +21,37 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
     SparseAttentionSettings,
     build_sparse_attention_config,
     load_sparse_attention_config,
+    merge_sparse_attention_config,
     parse_sparse_attention_config,
     settings_from_hf_config,
     write_json_atomic,
     write_sparse_attention_config,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.schema import MODELOPT_STATIC_THRESHOLD
 
-# The example output in ModelOpt 0.47's conversion.export_sparse_attention_config docstring.
-MODELOPT_EXAMPLE = {
-    "config_groups": {
-        "group_0": {
-            "algorithm": "skip_softmax",
-            "targets": ["LlamaAttention"],
-            "threshold_scale_factor": {
-                "formula": "a * exp(b * target_sparsity)",
-                "prefill": {"a": 7.93, "b": 8.61},
-                "decode": {"a": 0.12, "b": 9.85},
-            },
-            "target_sparsity": {"prefill": 0.5},
-        },
-        "group_1": {
-            "algorithm": "sparse_softmax",
-            "targets": ["LlamaAttention"],
-            "sparsity_n": 2,
-            "sparsity_m": 4,
-            "dense_sink_tokens": 0,
-            "dense_recent_tokens": 64,
-        },
+# The skip group of the example output in ModelOpt 0.47's conversion.export_sparse_attention_config docstring.
+SKIP_GROUP = {
+    "algorithm": "skip_softmax",
+    "targets": ["LlamaAttention"],
+    "threshold_scale_factor": {
+        "formula": "a * exp(b * target_sparsity)",
+        "prefill": {"a": 7.93, "b": 8.61},
+        "decode": {"a": 0.12, "b": 9.85},
     },
-    "producer": {"name": "modelopt", "version": "0.37.0"},
+    "target_sparsity": {"prefill": 0.5},
 }
+NM_GROUP = {
+    "algorithm": "sparse_softmax",
+    "targets": ["LlamaAttention"],
+    "sparsity_n": 2,
+    "sparsity_m": 4,
+    "dense_sink_tokens": 0,
+    "dense_recent_tokens": 64,
+}
+PRODUCER = {"name": "modelopt", "version": "0.37.0"}
+# That docstring example in full: skip-softmax plus an N:M sparse_softmax group.
+MODELOPT_EXAMPLE = {"config_groups": {"group_0": SKIP_GROUP, "group_1": NM_GROUP}, "producer": PRODUCER}
+SKIP_ONLY = {"config_groups": {"group_0": SKIP_GROUP}, "producer": PRODUCER}
 G0 = "sparse_attention_config.config_groups.group_0"
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -64,9 +66,15 @@ LLAMA_CONFIG = {
 }
 
 
+def _block(**group_changes):
+    block = copy.deepcopy(SKIP_ONLY)
+    block["config_groups"]["group_0"].update(group_changes)
+    return block
+
+
 def test_modelopt_docstring_example_parses(caplog):
     with caplog.at_level(logging.WARNING):
-        s = parse_sparse_attention_config(copy.deepcopy(MODELOPT_EXAMPLE))
+        s = parse_sparse_attention_config(copy.deepcopy(SKIP_ONLY))
     assert s.prefill == PhaseCalibration(7.93, 8.61, 0.5)
     # decode is calibrated but has no target: ModelOpt serves it at 0.5, so do we, and say so.
     assert s.decode == PhaseCalibration(0.12, 9.85, 0.5)
@@ -74,18 +82,80 @@ def test_modelopt_docstring_example_parses(caplog):
     assert s.attention_classes == ("LlamaAttention",)
     assert s.group_name == "group_0"
     assert math.isclose(s.prefill.scale_factor, 7.93 * math.exp(8.61 * 0.5))
+    # the serving law: ln λ_row = ln a + b·target − 1·ln n
+    assert s.prefill.length_exponent == 1.0 and s.decode.length_exponent == 1.0
+    assert math.isclose(s.prefill.log_scale_factor, math.log(7.93) + 8.61 * 0.5, rel_tol=1e-15)
 
 
-def test_absent_phase_is_dense_and_scalar_target_applies_to_both():
+def test_nm_sparse_softmax_group_is_refused_at_load_naming_group_and_fix():
+    """ModelOpt serves N:M on top of skip-softmax; serving without it would silently change numerics."""
+    with pytest.raises(SparseAttentionConfigError) as info:
+        parse_sparse_attention_config(copy.deepcopy(MODELOPT_EXAMPLE))
+    msg = str(info.value)
+    assert msg.startswith("sparse_attention_config.config_groups.group_1: algorithm 'sparse_softmax' (2:4 N:M")
+    assert "remove group 'group_1'" in msg and "ModelOpt's own vLLM plugin" in msg
+    # triton_sparse_softmax is the same to ModelOpt's loader; the top-level params override the group's
     block = copy.deepcopy(MODELOPT_EXAMPLE)
-    g = block["config_groups"]["group_0"]
-    del g["threshold_scale_factor"]["decode"]
-    g["target_sparsity"] = 0.7
-    g["ignore"] = ["model.layers.0.self_attn"]
-    s = parse_sparse_attention_config(block)
-    assert s.decode is None and s.phase("decode") is None
-    assert s.prefill.target_sparsity == 0.7
-    assert s.disabled_layers == ("model.layers.0.self_attn",)
+    block["config_groups"]["group_1"]["algorithm"] = "triton_sparse_softmax"
+    block["sparse_softmax"] = {"sparsity_n": 4, "sparsity_m": 8}
+    with pytest.raises(SparseAttentionConfigError, match=r"group_1: algorithm 'triton_sparse_softmax' \(4:8 N:M"):
+        parse_sparse_attention_config(block)
+    # sparsity_n = 0 is no N:M for ModelOpt either: accepted
+    block["sparse_softmax"] = {"sparsity_n": 0}
+    assert parse_sparse_attention_config(block).prefill == PhaseCalibration(7.93, 8.61, 0.5)
+    # an N:M group alone refuses the same way
+    with pytest.raises(SparseAttentionConfigError, match="group_0: algorithm 'sparse_softmax'"):
+        parse_sparse_attention_config({"config_groups": {"group_0": copy.deepcopy(NM_GROUP)}})
+
+
+VALID_MODELOPT_BLOCKS = [
+    # (what ModelOpt's exporter or fit can write, expected prefill, expected decode)
+    ("b = 0 (ModelOpt's fit bounds b to [0, 20])",
+     {"threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 3.0, "b": 0.0}},
+      "target_sparsity": {"prefill": 0.5, "decode": 0.5}},
+     PhaseCalibration(3.0, 0.0, 0.5), None),
+    ("negative b (ModelOpt's log-space fit is unbounded)",
+     {"threshold_scale_factor": {"prefill": {"a": 3.0, "b": -2.5}}, "target_sparsity": 0.4},
+     PhaseCalibration(3.0, -2.5, 0.4), None),
+    ("target 1.0", {"target_sparsity": {"prefill": 1.0, "decode": 1.0}},
+     PhaseCalibration(7.93, 8.61, 1.0), PhaseCalibration(0.12, 9.85, 1.0)),
+    ("a = 0 (bounded fit): ModelOpt serves the phase dense",
+     {"threshold_scale_factor": {"prefill": {"a": 0.0, "b": 3.0}, "decode": {"a": 0.12, "b": 9.85}},
+      "target_sparsity": 0.5},
+     None, PhaseCalibration(0.12, 9.85, 0.5)),
+    ("null phase", {"threshold_scale_factor": {"prefill": None, "decode": {"a": 0.12, "b": 9.85}}},
+     None, PhaseCalibration(0.12, 9.85, 0.5)),
+    ("targets as ints", {"target_sparsity": {"prefill": 0, "decode": 1}},
+     PhaseCalibration(7.93, 8.61, 0.0), PhaseCalibration(0.12, 9.85, 1.0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "what,changes,prefill,decode", VALID_MODELOPT_BLOCKS, ids=[v[0] for v in VALID_MODELOPT_BLOCKS]
+)
+def test_every_valid_modelopt_block_is_accepted(what, changes, prefill, decode):
+    s = parse_sparse_attention_config(_block(**changes))
+    assert (s.prefill, s.decode) == (prefill, decode)
+
+
+def test_skip_group_without_calibration_serves_modelopts_static_threshold(caplog):
+    """ModelOpt 0.47 serves such a group with SKIP_SOFTMAX_TRITON_DEFAULT: λ = 0.1 for every row, both phases."""
+    for group in (
+        {"algorithm": "skip_softmax", "targets": ["LlamaAttention"]},
+        {"algorithm": "skip_softmax", "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)"},
+         "ignore": ["model.layers.0.self_attn"]},
+    ):  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            s = parse_sparse_attention_config({"config_groups": {"group_0": group}})
+        assert s.prefill == s.decode
+        cal = s.prefill
+        assert cal.length_exponent == 0.0 and cal.is_static
+        assert cal.log_scale_factor == math.log(MODELOPT_STATIC_THRESHOLD) and cal.scale_factor == 0.1
+        assert "static default threshold λ = 0.1" in caplog.text
+        assert s.disabled_layers == tuple(group.get("ignore", ()))
+        if group.get("ignore"):
+            assert "is honoured here" in caplog.text
 
 
 def _set(path, value):
@@ -102,58 +172,139 @@ def _set(path, value):
     return mutate
 
 
+def _rename(path, new):
+    def mutate(block):
+        node = block
+        for key in path[:-1]:
+            node = node[key]
+        node[new] = node.pop(path[-1])
+
+    return mutate
+
+
 _DELETE = object()
 TSF = ["config_groups", "group_0", "threshold_scale_factor"]
 GRP = ["config_groups", "group_0"]
 
 T = f"{G0}.threshold_scale_factor"
-POS = "must be a finite positive number"
-UNIT = "must be a number in [0, 1)"
-MALFORMED = [
-    (_set(TSF + ["prefill", "a"], float("nan")), f"{T}.prefill.a: {POS}, got nan"),
-    (_set(TSF + ["prefill", "a"], float("inf")), f"{T}.prefill.a: {POS}, got inf"),
-    (_set(TSF + ["prefill", "a"], -1.0), f"{T}.prefill.a: {POS}, got -1.0"),
-    (_set(TSF + ["prefill", "a"], "7.9"), f"{T}.prefill.a: {POS}, got '7.9'"),
-    (_set(TSF + ["prefill", "a"], True), f"{T}.prefill.a: {POS}, got True"),
-    (_set(TSF + ["decode", "b"], _DELETE), f"{T}.decode.b: missing"),
-    (_set(TSF + ["decode", "b"], None), f"{T}.decode.b: {POS}, got None"),
-    (_set(TSF + ["decode", "b"], 0.0), f"{T}.decode.b: {POS}, got 0.0"),
-    (_set(TSF + ["decode"], [0.12, 9.85]), f"{T}.decode: must be a JSON object"),
-    (_set(TSF + ["formula"], "a * b"), f"{T}.formula: must be 'a * exp(b * target_sparsity)'"),
-    (_set(TSF, _DELETE), f"{T}: must be a JSON object, got NoneType"),
-    (_set(TSF, {"formula": "a * exp(b * target_sparsity)"}), f"{T}: calibrates no phase"),
-    (_set(GRP + ["target_sparsity", "prefill"], 1.0), f"{G0}.target_sparsity.prefill: {UNIT}, got 1.0"),
-    (_set(GRP + ["target_sparsity", "prefill"], -0.1), f"{G0}.target_sparsity.prefill: {UNIT}, got -0.1"),
-    (_set(GRP + ["target_sparsity", "prefill"], "0.5"), f"{G0}.target_sparsity.prefill: {UNIT}, got '0.5'"),
-    (_set(GRP + ["target_sparsity"], 1.5), f"{G0}.target_sparsity: {UNIT}, got 1.5"),
-    (_set(GRP + ["target_sparsity"], {"prefil": 0.5}), f"{G0}.target_sparsity.prefil: unknown phase"),
+A_OK = "must be a finite number >= 0"
+SP = "must be a sparsity in [0, 1]"
+MISTAKES = [
+    (_set(TSF + ["prefill", "a"], float("nan")), f"{T}.prefill.a: {A_OK}, got nan"),
+    (_set(TSF + ["prefill", "a"], float("inf")), f"{T}.prefill.a: {A_OK}, got inf"),
+    (_set(TSF + ["prefill", "a"], -1.0), f"{T}.prefill.a: {A_OK}, got -1.0"),
+    (_set(TSF + ["prefill", "a"], "7.9"), f"{T}.prefill.a: {A_OK}, got '7.9'"),
+    (_set(TSF + ["prefill", "a"], True), f"{T}.prefill.a: {A_OK}, got True"),
+    (_set(TSF + ["decode", "b"], _DELETE), f"{T}.decode.b: missing (the fit scale_factor = a * exp(b"),
+    (_set(TSF + ["decode", "b"], None), f"{T}.decode.b: must be a finite number, got None"),
+    (_set(TSF + ["decode", "b"], float("-inf")), f"{T}.decode.b: must be a finite number, got -inf"),
+    (_set(TSF + ["decode", "b"], 2000), f"{T}.decode.b: a * exp(b * target_sparsity) = exp(997.88) overflows"),
+    (_set(TSF + ["decode", "c"], 1.0), f"{T}.decode.c: unknown key; expected one of ['a', 'b']"),
+    (_set(TSF + ["decode"], [0.12, 9.85]), f"{T}.decode: must be a JSON object, got list [0.12, 9.85]"),
+    (_set(TSF + ["formula"], "a * b"), f"{T}.formula: must be 'a * exp(b * target_sparsity)', got 'a * b'"),
+    (_rename(TSF + ["prefill"], "prefil"), f"{T}.prefil: unknown key; did you mean 'prefill'?"),
+    (_rename(TSF + ["decode"], "Decode"), f"{T}.Decode: unknown key; did you mean 'decode'?"),
+    (_set(TSF, [1]), f"{T}: must be a JSON object, got list [1]"),
+    (_set(GRP + ["target_sparsity", "prefill"], 1.01), f"{G0}.target_sparsity.prefill: {SP}, got 1.01"),
+    (_set(GRP + ["target_sparsity", "prefill"], -0.1), f"{G0}.target_sparsity.prefill: {SP}, got -0.1"),
+    (_set(GRP + ["target_sparsity", "prefill"], "0.5"), f"{G0}.target_sparsity.prefill: {SP}, got '0.5'"),
+    (_set(GRP + ["target_sparsity"], 1.5), f"{G0}.target_sparsity: {SP} (or a map phase -> sparsity), got 1.5"),
+    (_set(GRP + ["target_sparsity"], "high"), f"{G0}.target_sparsity: {SP} or a map phase -> sparsity, got 'high'"),
+    (_set(GRP + ["target_sparsity"], {"prefil": 0.5}), f"{G0}.target_sparsity.prefil: unknown key; did you mean"),
     (
         _set(GRP + ["algorithm"], "skip_sofmax"),
-        f"{G0}.algorithm: unknown algorithm 'skip_sofmax'; supported: ['skip_softmax', 'sparse_softmax'",
+        f"{G0}.algorithm: unknown algorithm 'skip_sofmax'; did you mean 'skip_softmax'? supported: ['skip_softmax'",
     ),
-    (_set(GRP + ["ignore"], "layer0"), f"{G0}.ignore: must be a list of strings"),
-    (_set(GRP + ["observed_sparsity_range"], {"prefill": [0.9, 0.1]}), f"{G0}.observed_sparsity_range.prefill: "),
-    (_set(GRP + ["fit"], {"prefill": {"r2": "high"}}), f"{G0}.fit.prefill.r2: must be a finite number"),
-    (_set(GRP, _DELETE), "sparse_attention_config.config_groups: has no group with algorithm 'skip_softmax'"),
+    (_set(GRP + ["algorithm"], _DELETE), f"{G0}.algorithm: missing (every group names its algorithm"),
+    (_set(GRP + ["ignore"], "layer0"), f"{G0}.ignore: must be a list of strings, got 'layer0'"),
+    (_set(GRP + ["ignored"], ["layer0"]), f"{G0}.ignored: unknown key; did you mean 'ignore'?"),
+    (_rename(GRP + ["target_sparsity"], "target_sparse_ratio"), f"{G0}.target_sparse_ratio: unknown key; did you mean 'target_sparsity'?"),  # noqa: E501
+    (_set(GRP + ["initial_disabled_steps"], -1), f"{G0}.initial_disabled_steps: must be an integer >= 0, got -1"),
+    (_set(GRP + ["initial_disabled_steps"], 1.5), f"{G0}.initial_disabled_steps: must be an integer >= 0, got 1.5"),
+    (_set(GRP + ["observed_sparsity_range"], {"prefill": [0.9, 0.1]}), f"{G0}.observed_sparsity_range.prefill: must be [lo, hi]"),  # noqa: E501
+    (_set(GRP + ["observed_sparsity_range"], {"prefll": [0.1, 0.9]}), f"{G0}.observed_sparsity_range.prefll: unknown key; did you mean 'prefill'?"),  # noqa: E501
+    (_set(GRP + ["fit"], {"prefill": {"r2": "high"}}), f"{G0}.fit.prefill.r2: must be a finite number, got 'high'"),
+    (_set(GRP + ["fit"], {"prefill": {"r_2": 0.9}}), f"{G0}.fit.prefill.r_2: unknown key; did you mean 'r2'?"),
+    (_set(GRP + ["length_exponent"], {"prefill": 4.5}), f"{G0}.length_exponent.prefill: must be a number in [0, 4], got 4.5"),  # noqa: E501
+    (_set(GRP + ["length_exponent"], {"prefill": float("nan")}), f"{G0}.length_exponent.prefill: must be a number in [0, 4], got nan"),  # noqa: E501
+    (_set(GRP + ["length_exponent"], {"decod": 1.0}), f"{G0}.length_exponent.decod: unknown key; did you mean 'decode'?"),  # noqa: E501
+    (_set(["config_groups", "group_0"], {"algorithm": "sparse_softmax", "sparsity_n": 0}), "sparse_attention_config.config_groups: has no group with algorithm 'skip_softmax'"),  # noqa: E501
     (_set(["config_groups"], {}), "sparse_attention_config.config_groups: is empty"),
-    (_set(["config_groups"], _DELETE), "sparse_attention_config.config_groups: must be a JSON object, got NoneType"),
-    (
-        _set(["config_groups", "group_1", "algorithm"], "skip_softmax"),
-        "several skip_softmax groups ['group_0', 'group_1']",
-    ),
-]
+    (_set(["config_groups"], _DELETE), "sparse_attention_config.config_groups: missing (add a group"),
+    (_rename(["config_groups"], "config_group"), "sparse_attention_config.config_group: unknown key; did you mean 'config_groups'?"),  # noqa: E501
+    (_set(["config_groups", "group_1"], copy.deepcopy(SKIP_GROUP)), "several skip_softmax groups ['group_0', 'group_1']"),  # noqa: E501
+    (_set(["config_groups", "group_1"], "x"), "sparse_attention_config.config_groups.group_1: must be a JSON object, got string 'x'"),  # noqa: E501
+    (_set(["producer"], [1]), "sparse_attention_config.producer: must be a JSON object, got list [1]"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "mutate,message", MALFORMED, ids=[f"{i}-{m[1].split(': ')[0][24:]}" for i, m in enumerate(MALFORMED)]
+    "mutate,message", MISTAKES, ids=[f"{i}-{m[1].split(': ')[0][24:]}" for i, m in enumerate(MISTAKES)]
 )
-def test_malformed_block_error_names_the_field(mutate, message):
-    block = copy.deepcopy(MODELOPT_EXAMPLE)
+def test_every_mistake_is_an_error_naming_the_field(mutate, message):
+    block = copy.deepcopy(SKIP_ONLY)
     block["config_groups"]["group_0"]["target_sparsity"]["decode"] = 0.5
     mutate(block)
     with pytest.raises(SparseAttentionConfigError) as info:
         parse_sparse_attention_config(block)
     assert message in str(info.value)
+
+
+def test_length_law_is_read_and_must_belong_to_a_calibrated_phase():
+    s = parse_sparse_attention_config(
+        _block(length_exponent={"prefill": 0.6, "decode": 0}, reference_length={"prefill": 2048}, target_sparsity=0.5)
+    )
+    assert s.prefill.length_exponent == 0.6 and s.decode.length_exponent == 0.0
+    assert s.prefill.reference_length == 2048 and s.decode.reference_length is None
+    # c = ln a + b·target + (γ − 1)·ln n_ref: ModelOpt's λ = a·exp(b·target)/n exactly at n = n_ref
+    c = s.prefill.log_scale_factor
+    assert c == pytest.approx(math.log(7.93) + 8.61 * 0.5 - 0.4 * math.log(2048), rel=1e-15)
+    assert math.exp(c - 0.6 * math.log(2048)) == pytest.approx(7.93 * math.exp(8.61 * 0.5) / 2048, rel=1e-13)
+    assert s.prefill.scale_factor == pytest.approx(7.93 * math.exp(8.61 * 0.5), rel=1e-15)  # ModelOpt's (a, b)
+    assert s.decode.log_scale_factor == pytest.approx(math.log(0.12) + 9.85 * 0.5, rel=1e-15)
+    for key, value in (("length_exponent", 1.2), ("reference_length", 512)):
+        block = _block(**{key: {"decode": value}})
+        del block["config_groups"]["group_0"]["threshold_scale_factor"]["decode"]
+        with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.{key}\.decode: is set but "
+                           r"threshold_scale_factor\.decode does not calibrate decode"):  # fmt: skip
+            parse_sparse_attention_config(block)
+    with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.reference_length\.prefill: must be a finite "
+                       r"number >= 1, got 0"):  # fmt: skip
+        parse_sparse_attention_config(_block(reference_length={"prefill": 0}))
+
+
+def test_overflow_is_an_error_not_a_crash_and_the_settings_guard_it():
+    # exp(8.61 + 800·1) overflows a float64: ModelOpt 0.47 raises OverflowError (math range error) on it.
+    with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.threshold_scale_factor\.prefill\.b: .* overflows"):
+        parse_sparse_attention_config(_block(threshold_scale_factor={"prefill": {"a": 7.93, "b": 800.0}},
+                                             target_sparsity=1.0))  # fmt: skip
+    # the same b at target 0 is fine (exp(ln a) = a)
+    s = parse_sparse_attention_config(_block(threshold_scale_factor={"prefill": {"a": 7.93, "b": 800.0}},
+                                             target_sparsity=0.0))  # fmt: skip
+    assert s.prefill.scale_factor == pytest.approx(7.93)
+    # a PhaseCalibration made in code never raises OverflowError either
+    cal = PhaseCalibration(1.0, 2000.0, 0.5)
+    assert cal.log_scale_factor == 1000.0 and cal.scale_factor == math.inf
+
+
+def test_unknown_group_and_top_level_keys_are_kept_and_reported_once(caplog, tmp_path):
+    key = f"future_key_{uuid.uuid4().hex[:8]}"  # a key no earlier test reported
+    block = _block(**{key: {"x": 1}})
+    block["serving_hints"] = {"y": 2}
+    with caplog.at_level(logging.WARNING):
+        s1 = parse_sparse_attention_config(block)
+        s2 = parse_sparse_attention_config(block)
+    assert s1 == s2
+    assert f"{G0}.{key}" in s1.unknown_keys
+    assert caplog.text.count(f"{G0}.{key}") == 1, caplog.text
+    assert "kept when the block is rewritten" in caplog.text
+    # kept on rewrite (recalibration)
+    ckpt = _ckpt(tmp_path, {"sparse_attention_config": block})
+    write_sparse_attention_config(ckpt, build_sparse_attention_config({"prefill": {"a": 2.0, "b": 5.0}},
+                                                                      target_sparsity=0.3), backup=False)  # fmt: skip
+    written = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
+    assert written["config_groups"]["group_0"][key] == {"x": 1}
+    assert written["serving_hints"] == {"y": 2}
 
 
 def test_block_must_be_an_object():
@@ -185,9 +336,10 @@ def _ckpt(tmp_path, extra=None):
 def test_build_write_load_round_trip(tmp_path):
     ckpt = _ckpt(tmp_path)
     fits = {
-        "prefill": {"a": 7.93, "b": 8.61, "r2": 0.97, "n_points": 412, "sparsity_range": (0.05, 0.93)},
+        "prefill": {"a": 7.93, "b": 8.61, "r2": 0.97, "n_points": 412, "sparsity_range": (0.05, 0.93),
+                    "length_exponent": 0.8},
         "decode": PhaseCalibration(0.12, 9.85, 0.3, observed_sparsity_range=(0.1, 0.8), r2=0.9, n_points=50),
-    }
+    }  # fmt: skip
     block = build_sparse_attention_config(
         fits, target_sparsity={"prefill": 0.6}, attention_classes=["LlamaAttention"], ignore=["model.layers.0"]
     )
@@ -195,11 +347,12 @@ def test_build_write_load_round_trip(tmp_path):
     assert g["target_sparsity"] == {"prefill": 0.6, "decode": 0.3}  # decode keeps the target its fit carried
     assert g["observed_sparsity_range"] == {"prefill": [0.05, 0.93], "decode": [0.1, 0.8]}
     assert g["fit"] == {"prefill": {"r2": 0.97, "n_points": 412}, "decode": {"r2": 0.9, "n_points": 50}}
+    assert g["length_exponent"] == {"prefill": 0.8}  # ModelOpt's γ = 1 is not written
     assert block["producer"]["name"] == "modelopt_ext"
     write_sparse_attention_config(ckpt, block)
     s = load_sparse_attention_config(ckpt)
     assert s == SparseAttentionSettings(
-        prefill=PhaseCalibration(7.93, 8.61, 0.6, (0.05, 0.93), 0.97, 412),
+        prefill=PhaseCalibration(7.93, 8.61, 0.6, (0.05, 0.93), 0.97, 412, length_exponent=0.8),
         decode=PhaseCalibration(0.12, 9.85, 0.3, (0.1, 0.8), 0.9, 50),
         disabled_layers=("model.layers.0",),
         attention_classes=("LlamaAttention",),
@@ -216,10 +369,15 @@ def test_build_write_load_round_trip(tmp_path):
 def test_build_requires_a_target_and_rejects_bad_fits():
     with pytest.raises(ValueError, match="no target sparsity for calibrated phase 'prefill'"):
         build_sparse_attention_config({"prefill": {"a": 1.0, "b": 5.0}})
-    with pytest.raises(SparseAttentionConfigError, match=r"prefill\.a: must be a finite positive number, got nan"):
+    with pytest.raises(SparseAttentionConfigError, match=r"prefill\.a: must be a finite number >= 0, got nan"):
         build_sparse_attention_config({"prefill": {"a": float("nan"), "b": 5.0}}, target_sparsity=0.5)
+    with pytest.raises(SparseAttentionConfigError, match=r"prefill\.b: .* overflows"):
+        build_sparse_attention_config({"prefill": {"a": 1.0, "b": 2000.0}}, target_sparsity=0.5)
     with pytest.raises(ValueError, match="unknown phases"):
         build_sparse_attention_config({"prefil": {"a": 1.0, "b": 5.0}}, target_sparsity=0.5)
+    static = PhaseCalibration(0.1, 0.0, 0.0, length_exponent=0.0)
+    with pytest.raises(ValueError, match="static threshold"):
+        build_sparse_attention_config({"prefill": static})
 
 
 def test_load_without_block_is_none_and_errors_name_the_file(tmp_path):
@@ -228,38 +386,56 @@ def test_load_without_block_is_none_and_errors_name_the_file(tmp_path):
     assert load_sparse_attention_config(ckpt / "config.json") is None
     with pytest.raises(FileNotFoundError, match="containing config.json"):
         load_sparse_attention_config(tmp_path / "nope")
-    bad = copy.deepcopy(MODELOPT_EXAMPLE)
+    bad = copy.deepcopy(SKIP_ONLY)
     bad["config_groups"]["group_0"]["threshold_scale_factor"]["prefill"]["a"] = -3
     _ckpt(tmp_path, {"sparse_attention_config": bad})
     with pytest.raises(SparseAttentionConfigError) as info:
         load_sparse_attention_config(ckpt)
-    assert f"{G0}.threshold_scale_factor.prefill.a: must be a finite positive number, got -3" in str(info.value)
+    assert f"{G0}.threshold_scale_factor.prefill.a: must be a finite number >= 0, got -3" in str(info.value)
     assert str(ckpt / "config.json") in str(info.value)
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(SparseAttentionConfigError, match="not valid JSON"):
         load_sparse_attention_config(ckpt)
 
 
-def test_write_keeps_other_keys_and_groups_and_backs_up(tmp_path):
+def test_recalibration_keeps_policy_and_other_groups(tmp_path, caplog):
+    """ignore, initial_disabled_steps, other per-group keys and other groups survive a recalibration."""
     existing = copy.deepcopy(MODELOPT_EXAMPLE)
+    old_skip = existing["config_groups"]["group_0"]
+    old_skip.update(
+        ignore=["model.layers.0.self_attn"],
+        initial_disabled_steps=3,
+        observed_sparsity_range={"prefill": [0.1, 0.9], "decode": [0.2, 0.8]},
+        length_exponent={"decode": 0.5},
+        fit={"decode": {"r2": 0.5}},
+        reference_length={"decode": 900},
+    )
     # put the old skip group second to check it is replaced in place
-    existing["config_groups"] = {
-        "group_0": existing["config_groups"]["group_1"],
-        "group_1": existing["config_groups"]["group_0"],
-    }
+    existing["config_groups"] = {"group_0": existing["config_groups"]["group_1"], "group_1": old_skip}
     existing["sparse_softmax"] = {"sparsity_n": 2}
     ckpt = _ckpt(tmp_path, {"sparse_attention_config": existing, "rope_theta": 10000.0})
     original = (ckpt / "config.json").read_bytes()
-    block = build_sparse_attention_config({"prefill": {"a": 3.0, "b": 7.0}}, target_sparsity=0.4)
-    write_sparse_attention_config(ckpt, block)
+    block = build_sparse_attention_config({"prefill": {"a": 3.0, "b": 7.0}}, target_sparsity=0.4,
+                                          attention_classes=["LlamaAttention"])  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        write_sparse_attention_config(ckpt, block)
+    assert "keeps N:M group 'group_0'" in caplog.text  # said at write time, refused at load time
     cfg = json.loads((ckpt / "config.json").read_text())
     for key, value in LLAMA_CONFIG.items():
         assert cfg[key] == value
     assert cfg["rope_theta"] == 10000.0
     sac = cfg["sparse_attention_config"]
     assert list(sac["config_groups"]) == ["group_0", "group_1"]
-    assert sac["config_groups"]["group_0"] == MODELOPT_EXAMPLE["config_groups"]["group_1"]
-    assert sac["config_groups"]["group_1"] == block["config_groups"]["group_0"]
+    assert sac["config_groups"]["group_0"] == NM_GROUP
+    skip = sac["config_groups"]["group_1"]
+    assert skip == {
+        "algorithm": "skip_softmax",
+        "targets": ["LlamaAttention"],
+        "ignore": ["model.layers.0.self_attn"],  # policy kept
+        "initial_disabled_steps": 3,  # policy kept
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 3.0, "b": 7.0}},
+        "target_sparsity": {"prefill": 0.4},  # calibration replaced as a whole: no stale decode, range, fit, γ
+    }
     assert sac["sparse_softmax"] == {"sparsity_n": 2}
     assert sac["producer"] == block["producer"]
     assert (ckpt / "config.json.bak").read_bytes() == original
@@ -269,18 +445,44 @@ def test_write_keeps_other_keys_and_groups_and_backs_up(tmp_path):
     stamped = [p for p in os.listdir(ckpt) if p.startswith("config.json.") and p != "config.json.bak"]
     assert len(stamped) == 1 and stamped[0].endswith(".bak")
     assert not [p for p in os.listdir(ckpt) if p.endswith(".tmp")]
+    # Without the N:M group the recalibrated checkpoint serves with the kept policy.
+    del sac["config_groups"]["group_0"], sac["sparse_softmax"]
+    s = parse_sparse_attention_config(sac)
+    assert s.disabled_layers == ("model.layers.0.self_attn",) and s.initial_disabled_steps == 3
+    assert s.prefill == PhaseCalibration(3.0, 7.0, 0.4) and s.decode is None
+
+
+def test_merge_new_policy_wins_when_set():
+    old = _block(ignore=["a"], initial_disabled_steps=2, targets=["Old"])
+    new = build_sparse_attention_config({"prefill": {"a": 1.0, "b": 2.0}}, target_sparsity=0.5, ignore=["b"],
+                                        attention_classes=["LlamaAttention"])  # fmt: skip
+    merged = merge_sparse_attention_config(old, new)["config_groups"]["group_0"]
+    assert merged["ignore"] == ["b"] and merged["targets"] == ["LlamaAttention"]
+    assert merged["initial_disabled_steps"] == 2
+
+
+def test_write_refuses_to_merge_into_an_invalid_block(tmp_path):
+    broken = _block(ignored=["x"])  # a typo in the existing policy: never silently carried on
+    ckpt = _ckpt(tmp_path, {"sparse_attention_config": broken})
+    block = build_sparse_attention_config({"prefill": {"a": 3.0, "b": 7.0}}, target_sparsity=0.4)
+    with pytest.raises(SparseAttentionConfigError, match=r"group_0\.ignored: unknown key.*\n.*fix or remove"):
+        write_sparse_attention_config(ckpt, block, backup=False)
 
 
 def test_write_adds_skip_group_beside_a_sparse_softmax_only_block(tmp_path):
-    existing = {"config_groups": {"group_0": copy.deepcopy(MODELOPT_EXAMPLE["config_groups"]["group_1"])}}
+    existing = {"config_groups": {"group_0": copy.deepcopy(NM_GROUP)}}
     ckpt = _ckpt(tmp_path, {"sparse_attention_config": existing})
     block = build_sparse_attention_config({"decode": {"a": 0.1, "b": 9.0}}, target_sparsity=0.5)
     write_sparse_attention_config(ckpt, block, backup=False)
-    groups = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]["config_groups"]
-    assert groups["group_0"]["algorithm"] == "sparse_softmax"
+    sac = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
+    groups = sac["config_groups"]
+    assert groups["group_0"] == NM_GROUP
     assert groups["group_1"]["algorithm"] == "skip_softmax"
     assert not (ckpt / "config.json.bak").exists()
-    assert load_sparse_attention_config(ckpt).decode == PhaseCalibration(0.1, 9.0, 0.5)
+    with pytest.raises(SparseAttentionConfigError, match="group_0: algorithm 'sparse_softmax'"):
+        load_sparse_attention_config(ckpt)
+    groups["group_0"]["sparsity_n"] = 0
+    assert parse_sparse_attention_config(sac).decode == PhaseCalibration(0.1, 9.0, 0.5)
 
 
 def test_failed_write_leaves_the_original_intact(tmp_path, monkeypatch):
@@ -321,19 +523,29 @@ def test_write_requires_existing_config(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(
     a=st.floats(1e-6, 1e6),
-    b=st.floats(1e-3, 50.0),
-    t_pre=st.floats(0.0, 0.999),
-    t_dec=st.one_of(st.none(), st.floats(0.0, 0.999)),
+    b=st.floats(-50.0, 50.0),
+    t_pre=st.floats(0.0, 1.0),
+    t_dec=st.one_of(st.none(), st.floats(0.0, 1.0)),
+    gamma=st.one_of(st.none(), st.floats(0.0, 4.0)),
+    n_ref=st.one_of(st.none(), st.floats(1.0, 1e6)),
 )
-def test_round_trip_property(tmp_path_factory, a, b, t_pre, t_dec):
-    fits = {"prefill": {"a": a, "b": b}, "decode": None if t_dec is None else {"a": b, "b": a % 40 + 0.01}}
+def test_round_trip_property(tmp_path_factory, a, b, t_pre, t_dec, gamma, n_ref):
+    fits = {
+        "prefill": {"a": a, "b": b, "length_exponent": gamma, "reference_length": n_ref},
+        "decode": None if t_dec is None else {"a": abs(b) + 1e-3, "b": a % 40},
+    }
     targets = {"prefill": t_pre, "decode": t_dec}
     block = build_sparse_attention_config(fits, target_sparsity=targets)
     ckpt = _ckpt(tmp_path_factory.mktemp("ckpt"))
     write_sparse_attention_config(ckpt, block, backup=False)
     s = load_sparse_attention_config(ckpt)
-    assert s.prefill == PhaseCalibration(a, b, t_pre)
-    assert s.decode == (None if t_dec is None else PhaseCalibration(b, a % 40 + 0.01, t_dec))
+    law = {} if gamma is None or gamma == 1.0 else {"length_exponent": gamma, "reference_length": n_ref}
+    assert s.prefill == PhaseCalibration(a, b, t_pre, **law)
+    assert s.decode == (None if t_dec is None else PhaseCalibration(abs(b) + 1e-3, a % 40, t_dec))
+    # the law in log space equals the product form wherever the product is representable
+    shift = 0.0 if not law or n_ref is None else (gamma - 1.0) * math.log(n_ref)
+    assert s.prefill.log_scale_factor == pytest.approx(math.log(a) + b * t_pre + shift, rel=1e-12, abs=1e-12)
+    assert math.log(s.prefill.scale_factor) == pytest.approx(math.log(a) + b * t_pre, rel=1e-12, abs=1e-12)
 
 
 def test_importable_without_vllm_torch_or_modelopt():
@@ -341,6 +553,8 @@ def test_importable_without_vllm_torch_or_modelopt():
     code = (
         "import sys\n"
         "import modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config\n"
+        "import modelopt_ext.torch.sparsity.attention_sparsity.schema\n"
+        "import modelopt_ext.torch.sparsity.attention_sparsity.atomic_io\n"
         "import modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit\n"
         "import modelopt_ext.torch.sparsity.attention_sparsity.calibration.data\n"
         "heavy = {'vllm', 'torch', 'transformers', 'modelopt', 'matplotlib', 'scipy'}\n"

@@ -118,6 +118,8 @@ def _calibration_to_dict(cal: PhaseCalibration | None) -> dict | None:
         "observed_sparsity_range": None if cal.observed_sparsity_range is None else list(cal.observed_sparsity_range),
         "r2": None if cal.r2 is None else float(cal.r2),
         "n_points": None if cal.n_points is None else int(cal.n_points),
+        "length_exponent": float(cal.length_exponent),
+        "reference_length": None if cal.reference_length is None else float(cal.reference_length),
     }
 
 
@@ -132,6 +134,8 @@ def _calibration_from_dict(raw: dict | None) -> PhaseCalibration | None:
         observed_sparsity_range=None if rng is None else (float(rng[0]), float(rng[1])),
         r2=raw.get("r2"),
         n_points=raw.get("n_points"),
+        length_exponent=raw.get("length_exponent", 1.0),
+        reference_length=raw.get("reference_length"),
     )
 
 
