@@ -153,3 +153,64 @@ def test_plot_fit_writes_png(tmp_path):
     img = imread(out)
     assert img.shape[0] == 450 and img.shape[1] == 1200  # two 6x4.5 in panels at 100 dpi
     assert isinstance(fits["prefill"], PhaseFit)
+
+
+def _length_law_points(n, a, b, gamma, n_ref, lengths, sigma, seed=0):
+    """Points of λ = a·exp(b·s)/n_ref·(n_ref/n)^γ, i.e. sf = λ·n, with multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    pts = []
+    for _ in range(n):
+        s = rng.uniform(0.05, 0.95)
+        length = int(rng.choice(lengths))
+        lam = a * math.exp(b * s) / n_ref * (n_ref / length) ** gamma
+        pts.append(FitPoint(float(s), float(lam * length * math.exp(rng.normal(0.0, sigma))), length))
+    return pts
+
+
+@pytest.mark.parametrize("gamma", [0.6, 1.0, 1.8])
+def test_length_law_recovers_the_length_exponent(gamma):
+    lengths = [1024, 2048, 4096, 8192]
+    n_ref = math.exp(np.mean(np.log(lengths)))  # what the fit picks for equally many points per length (±noise)
+    pts = _length_law_points(2000, 0.02, 13.0, gamma, n_ref, lengths, 0.05)
+    fit = fit_phase(pts, phase="decode")
+    assert abs(fit.length_exponent - gamma) < 0.05 and abs(fit.b - 13.0) < 0.2
+    assert fit.length_range == (1024, 8192) and fit.reference_length == pytest.approx(n_ref, rel=0.05)
+    # the served λ at every length is the law's, within the noise
+    for length in lengths:
+        expected = 0.02 * math.exp(13.0 * 0.5) / n_ref * (n_ref / length) ** gamma
+        assert fit.threshold(0.5, length) == pytest.approx(expected, rel=0.05)
+    # at n = n_ref, ModelOpt's reading of (a, b) gives the same λ as ours
+    modelopt_lam = fit.a * math.exp(fit.b * 0.5) / fit.reference_length
+    assert fit.threshold(0.5, fit.reference_length) == pytest.approx(modelopt_lam, rel=1e-9)
+    # ModelOpt's 1/n law on the same points is off at the extreme lengths unless γ = 1
+    plain = fit_phase(pts, phase="decode", length_law=False)
+    assert plain.length_exponent == 1.0 and plain.reference_length is None
+    off = abs(math.log(plain.threshold(0.5, 8192) / (0.02 * math.exp(6.5) / n_ref * (n_ref / 8192) ** gamma)))
+    assert (off > 0.2) == (gamma != 1.0)
+
+
+def test_one_length_falls_back_to_modelopts_law():
+    pts = _length_law_points(300, 0.02, 13.0, 1.7, 2048.0, [2048], 0.05)
+    fit = fit_phase(pts, phase="prefill")
+    assert fit.length_exponent == 1.0 and fit.reference_length is None
+
+
+def test_dense_below_names_the_lengths_a_target_cannot_reach():
+    fit = PhaseFit(a=0.02, b=13.0, r2=1.0, n_points=10, sparsity_range=(0.1, 0.9), length_exponent=1.5,
+                   reference_length=2048.0)  # fmt: skip
+    for target in (0.3, 0.5, 0.7):
+        cut = fit.dense_below(target)
+        if cut > 1:
+            assert fit.threshold(target, int(cut) - 1) >= 1.0 > fit.threshold(target, int(cut) + 2)
+        else:
+            assert fit.threshold(target, 2) < 1.0
+    assert fit.dense_below(0.7) > fit.dense_below(0.3)
+    assert PhaseFit(a=1e-3, b=1.0, r2=1.0, n_points=10, sparsity_range=(0.1, 0.9)).dense_below(0.5) == 0.0
+
+
+def test_phase_calibration_serves_the_fitted_length_law():
+    pts = _length_law_points(1000, 0.02, 13.0, 1.6, 2896.0, [1024, 2048, 4096, 8192], 0.05)
+    fit = fit_phase(pts, phase="prefill")
+    cal = fit.to_phase_calibration(0.5)
+    assert cal.length_exponent == pytest.approx(fit.length_exponent)
+    assert cal.log_scale_factor == pytest.approx(fit.log_scale_factor(0.5), rel=1e-12)

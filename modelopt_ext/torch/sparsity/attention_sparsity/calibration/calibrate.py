@@ -30,8 +30,14 @@ class CountCollector:
     it had run whole; each decode step is a sample of its own length.
     """
 
-    def __init__(self, scale_factors: list[float]):
-        self.scale_factors = list(scale_factors)
+    def __init__(self, scale_factors: list[float] | None = None, *, law=None):
+        """Trials are scale factors (ModelOpt's law, γ = 1) or, with `law = [((c_prefill, c_decode), (γ_prefill,
+        γ_decode)), ...]`, any per-row laws (e.g. one per target and law of a fitted calibration, to measure exactly
+        what serving each would drop)."""
+        if (scale_factors is None) == (law is None):
+            raise ValueError("give exactly one of scale_factors and law")
+        self.scale_factors = None if scale_factors is None else list(scale_factors)
+        self.law = law
         self.records: list[CalibrationRecord] = []
         self._step: dict[tuple[str, int], torch.Tensor] = {}
         self._step_id = 0
@@ -103,11 +109,16 @@ def make_forward_loop(tokenizer: Any, cfg: SkipSoftmaxCalibrationConfig) -> Call
 
 
 def collect_counts(
-    model: nn.Module, states: Iterable[SparseAttentionState], forward_loop: Callable, scale_factors: list[float]
+    model: nn.Module,
+    states: Iterable[SparseAttentionState],
+    forward_loop: Callable,
+    scale_factors: list[float] | None = None,
+    *,
+    law=None,
 ) -> CountCollector:
     """Run `forward_loop(model)` with every state in calibration mode (dense output, counts per trial)."""
     states = list(states)
-    collector = CountCollector(scale_factors)
+    collector = CountCollector(scale_factors, law=law)
     hook = model.register_forward_hook(lambda *_: collector.end_step())
     try:
         for state in states:

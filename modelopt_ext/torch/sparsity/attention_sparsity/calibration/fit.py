@@ -9,6 +9,14 @@ Fit (least squares on `log(scale_factor) = log(a) + b * sparsity`, i.e. relative
 `fit_logspace`): scale factors span orders of magnitude, and λ acts multiplicatively (the skip test compares
 against `ln λ`), so a relative error is the meaningful one and the largest trials must not dominate.
 
+Length law (ours, beside ModelOpt's): the 1/kv_len law assumes the threshold for a given sparsity scales as 1/n.
+Measured, it does not (decode sparsity at a fixed scale factor falls with length), so when the points span several
+lengths the fit is `log(scale_factor) = log(a) + b * sparsity + (1 - γ) * log(n / n_ref)`, i.e.
+`λ = a * exp(b * sparsity) / n_ref * (n_ref / n)^γ`, with the reference length `n_ref` the geometric mean of the
+points' lengths. At `n = n_ref` it is ModelOpt's law with the same `(a, b)`, so a ModelOpt reader of the checkpoint
+(which knows only `a`, `b`) serves the calibration exactly at the typical calibration length and approximately
+elsewhere, while our serving uses γ. A single length (or `length_law=False`) gives ModelOpt's fit (γ = 1).
+
 Informative-point rule: a point with sparsity <= `MIN_INFORMATIVE_SPARSITY` (0.01) or >= `MAX_INFORMATIVE_SPARSITY`
 (0.99) is dropped. At those ends sparsity saturates (nothing or nearly everything skipped, or λ >= 1 which is dense
 by definition), so any trial beyond the saturation point lands there and would bend the fit without telling it
@@ -36,6 +44,10 @@ MAX_INFORMATIVE_SPARSITY = 0.99
 # Fewest informative points, and fewest distinct trials among them, for a fit we are willing to write.
 MIN_POINTS = 6
 MIN_DISTINCT_TRIALS = 3
+# The length law needs lengths at least this far apart; γ is kept in a range where the law stays monotone and sane.
+MIN_LENGTH_SPAN = 1.5
+MIN_LENGTH_EXPONENT = 0.0
+MAX_LENGTH_EXPONENT = 4.0
 
 
 class CalibrationFitError(ValueError):
@@ -78,11 +90,37 @@ class PhaseFit:
     n_total: int = 0
     phase: str = ""
     notes: tuple[str, ...] = field(default=())
+    length_exponent: float = 1.0  # γ: λ ∝ n^-γ at a fixed sparsity (1 = ModelOpt's 1/kv_len law)
+    reference_length: float | None = None  # n_ref where (a, b) is exactly ModelOpt's law; None for γ = 1
+    length_range: tuple[int, int] | None = None  # shortest and longest sample the fit saw
 
     def scale_factor(self, target_sparsity: float) -> float:
+        """ModelOpt's scale factor a·exp(b·target) (= λ·n at n = n_ref)."""
         return self.a * math.exp(self.b * target_sparsity)
 
+    def log_scale_factor(self, target_sparsity: float) -> float:
+        """c of docs/skip_softmax.md: ln λ_row = c − γ·ln(n)."""
+        c = math.log(self.a) + self.b * target_sparsity
+        if self.reference_length is not None:
+            c += (self.length_exponent - 1.0) * math.log(self.reference_length)
+        return c
+
+    def threshold(self, target_sparsity: float, length: int) -> float:
+        """λ of a row whose law length is `length` (>= 1 means dense)."""
+        return math.exp(self.log_scale_factor(target_sparsity) - self.length_exponent * math.log(max(length, 1)))
+
+    def dense_below(self, target_sparsity: float) -> float:
+        """Rows with law length <= this run dense at `target_sparsity` (λ >= 1): the law cannot reach the target
+        there. 0 when every length is reachable, inf when none is."""
+        c = self.log_scale_factor(target_sparsity)
+        if self.length_exponent <= 0:
+            return math.inf if c >= 0 else 0.0
+        return max(0.0, math.exp(c / self.length_exponent)) if c > 0 else 0.0
+
     def to_phase_calibration(self, target_sparsity: float) -> PhaseCalibration:
+        extras = {}
+        if self.reference_length is not None:
+            extras = dict(length_exponent=self.length_exponent, reference_length=self.reference_length)
         return PhaseCalibration(
             self.a,
             self.b,
@@ -90,6 +128,7 @@ class PhaseFit:
             observed_sparsity_range=self.sparsity_range,
             r2=self.r2,
             n_points=self.n_points,
+            **extras,
         )
 
 
@@ -168,8 +207,10 @@ def fit_phase(
     min_sparsity: float = MIN_INFORMATIVE_SPARSITY,
     max_sparsity: float = MAX_INFORMATIVE_SPARSITY,
     min_points: int = MIN_POINTS,
+    length_law: bool = True,
 ) -> PhaseFit:
-    """Fit `scale_factor = a * exp(b * sparsity)` to the informative points (see the module docstring).
+    """Fit `scale_factor = a * exp(b * sparsity)` to the informative points (see the module docstring), with a
+    length exponent γ when `length_law` and the points span lengths at least `MIN_LENGTH_SPAN` apart.
 
     Points are `FitPoint`s or `(sparsity, scale_factor)` pairs. Raises `CalibrationFitError` saying what to
     change when there are too few informative points, too few distinct trials among them, or the fit has b <= 0
@@ -178,15 +219,19 @@ def fit_phase(
     from scipy import stats
 
     label = f"{phase} calibration" if phase else "calibration"
-    pts = [(p.sparsity, p.scale_factor) if isinstance(p, FitPoint) else (float(p[0]), float(p[1])) for p in points]
+    pts = [
+        (p.sparsity, p.scale_factor, p.kv_len) if isinstance(p, FitPoint) else (float(p[0]), float(p[1]), 0)
+        for p in points
+    ]
     n_total = len(pts)
     s = np.array([p[0] for p in pts], dtype=np.float64)
     sf = np.array([p[1] for p in pts], dtype=np.float64)
+    lengths = np.array([p[2] for p in pts], dtype=np.float64)
     valid = np.isfinite(s) & np.isfinite(sf) & (sf > 0)
     low = int(np.sum(valid & (s <= min_sparsity)))
     high = int(np.sum(valid & (s >= max_sparsity)))
     keep = valid & (s > min_sparsity) & (s < max_sparsity)
-    s, sf = s[keep], sf[keep]
+    s, sf, lengths = s[keep], sf[keep], lengths[keep]
     n = int(s.size)
     hint = (
         f"{n} of {n_total} points are informative (sparsity in ({min_sparsity}, {max_sparsity})); "
@@ -209,9 +254,20 @@ def fit_phase(
             f"{MIN_DISTINCT_TRIALS} distinct trials): {hint}. Fix: {'; '.join(fixes)}"
         )
     log_sf = np.log(sf)
-    res = stats.linregress(s, log_sf)
-    a, b = float(math.exp(res.intercept)) if math.isfinite(res.intercept) else math.nan, float(res.slope)
-    pred = res.intercept + res.slope * s
+    gamma, n_ref = 1.0, None
+    with_lengths = length_law and bool(np.all(lengths > 0)) and lengths.max() >= MIN_LENGTH_SPAN * lengths.min()
+    if with_lengths:
+        n_ref = float(np.exp(np.mean(np.log(lengths))))
+        design = np.stack([np.ones_like(s), s, np.log(lengths / n_ref)], axis=1)
+        (intercept, slope, delta), *_ = np.linalg.lstsq(design, log_sf, rcond=None)
+        gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
+        intercept, slope = float(intercept), float(slope)
+        pred = intercept + slope * s + (1.0 - gamma) * np.log(lengths / n_ref)
+    else:
+        res = stats.linregress(s, log_sf)
+        intercept, slope = float(res.intercept), float(res.slope)
+        pred = intercept + slope * s
+    a, b = float(math.exp(intercept)) if math.isfinite(intercept) else math.nan, slope
     ss_res = float(np.sum((log_sf - pred) ** 2))
     ss_tot = float(np.sum((log_sf - log_sf.mean()) ** 2))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
@@ -235,10 +291,14 @@ def fit_phase(
         n_total=n_total,
         phase=phase,
         notes=tuple(notes),
+        length_exponent=gamma,
+        reference_length=n_ref,
+        length_range=(int(lengths.min()), int(lengths.max())) if lengths.size and lengths.min() > 0 else None,
     )
     logger.info(
-        "%s: a=%.6g b=%.4f R²=%.4f over %d/%d points, observed sparsity [%.3f, %.3f]",
-        label, fit.a, fit.b, fit.r2, n, n_total, *fit.sparsity_range,
+        "%s: a=%.6g b=%.4f γ=%.3f (n_ref %s) R²=%.4f over %d/%d points, observed sparsity [%.3f, %.3f]",
+        label, fit.a, fit.b, gamma, "-" if n_ref is None else f"{n_ref:.0f}", fit.r2, n, n_total,
+        *fit.sparsity_range,
     )  # fmt: skip
     return fit
 

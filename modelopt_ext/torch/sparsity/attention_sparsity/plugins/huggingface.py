@@ -318,12 +318,21 @@ def run_skip_softmax(
     prompt_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
     common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens)
     if state.collector is not None:
-        # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.
-        log_sf = torch.tensor([math.log(sf) for sf in state.collector.scale_factors], dtype=torch.float32)
-        log_sf = log_sf.to(device)[None, :, None].expand(batch, -1, 2)
+        if state.collector.law is None:
+            # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.
+            log_sf = torch.tensor([[math.log(sf)] * 2 for sf in state.collector.scale_factors], dtype=torch.float32)
+            gamma = torch.ones(2)
+        else:
+            # Per-trial laws ((c_prefill, c_decode), (γ_prefill, γ_decode)): every row of this call has the same
+            # phase and law length, so each trial folds into a plain ln λ (γ = 0) exactly.
+            log_n = math.log(max(law_len, 1))
+            log_sf = torch.tensor(
+                [[c[i] - g[i] * log_n for i in range(2)] for c, g in state.collector.law], dtype=torch.float32
+            )
+            gamma = torch.zeros(2)
         out, counts = paged_skip_softmax_attention(
-            q, k_view, v_view, table, cu, seq_lens, log_scale_factors=log_sf,
-            length_exponents=torch.ones(2, device=device), **common,
+            q, k_view, v_view, table, cu, seq_lens, log_scale_factors=log_sf.to(device).expand(batch, -1, 2),
+            length_exponents=gamma.to(device), **common,
         )  # fmt: skip
         state.collector.add(phase, law_len, counts, request=request)
     else:

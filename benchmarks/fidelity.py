@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""Does a calibrated target hold? Realized sparsity per phase against the target, on held-out text, by length.
+
+Never a timed test. Examples (SmolLM2 on the CPU; minutes to an hour on 2 cores):
+
+    python benchmarks/fidelity.py --quick
+    python benchmarks/fidelity.py --lengths 1024,2048,4096,8192 --out artifacts/fidelity
+    python benchmarks/fidelity.py --law modelopt      # the same data fitted with ModelOpt's 1/kv_len law
+
+What it does (Hugging Face path: the same kernels, semantics and fit code as vLLM serving):
+
+1. Calibrates prefill and decode once on the calibration data (`calibration.data`: RULER-style tasks plus natural
+   prose and code from the calibration split) at several lengths, with the shared fit (`calibration.fit`):
+   the length law (γ fitted) by default, or ModelOpt's 1/kv_len law with `--law modelopt`.
+2. Builds held-out prose and code prompts (`calibration.natural_text`, split `heldout`: documents calibration
+   never saw) at each length, prefills each in chunks (as vLLM chunks it) and decodes a few tokens.
+3. Measures, in one dense pass per prompt, exactly what serving at every target drops (calibration mode with the
+   served laws as trials: docs/skip_softmax.md guarantees the counts equal serving's), per phase.
+4. Quality at `--quality-length`: perplexity of the held-out text and greedy agreement with dense, served sparse.
+5. Prints markdown tables, writes JSON and a PNG (realized vs length, one panel per phase).
+
+A cell where the law cannot reach the target (λ >= 1 at that length: the row runs dense) is reported as
+"dense (unreachable)" and does not count towards the error summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"
+PHASES = ("prefill", "decode")
+
+logger = logging.getLogger("fidelity")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="HF checkpoint dir (default: `make model`)")
+    p.add_argument("--quick", action="store_true", help="short lengths and few samples")
+    p.add_argument("--targets", default="0.3,0.5,0.7")
+    p.add_argument("--lengths", default=None, help="held-out lengths (default 1024,2048,4096; quick: 512,1024)")
+    p.add_argument("--calib-lengths", default=None, help="calibration lengths (default: the held-out lengths up "
+                   "to 4096)")  # fmt: skip
+    p.add_argument("--calib-samples-per-length", type=int, default=None, help="default 6 (one per task)")
+    p.add_argument("--sources", default="prose,code")
+    p.add_argument("--decode-tokens", type=int, default=8)
+    p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (vLLM-style chunked prefill)")
+    p.add_argument("--law", choices=("length", "modelopt", "both"), default="both",
+                   help="fit law(s) measured on the same calibration data and held-out passes")
+    p.add_argument("--quality-length", type=int, default=None, help="0 skips the quality columns")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="output dir (default artifacts/fidelity[_quick])")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def calibrate(model, tokenizer, states, lengths, per_length, chunk_size, decode_tokens, laws):
+    """Fit both phases with each law on the calibration data at `lengths`: ({law: {phase: PhaseFit}}, seconds)."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.calibrate import collect_counts, run_sample
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import build_calibration_prompts
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import (
+        aggregate_counts,
+        default_threshold_trials,
+        fit_phase,
+    )
+
+    samples = []
+    for length in lengths:
+        samples += build_calibration_prompts(tokenizer, num_samples=per_length, max_seqlen=length, min_seqlen=length)
+    trials = default_threshold_trials()
+
+    def loop(m):
+        for i, sample in enumerate(samples):
+            ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
+            logger.info("calibration %d/%d: %s, %d tokens", i + 1, len(samples), sample.task, ids.shape[1])
+            run_sample(m, ids, chunk_size=chunk_size, decode_tokens=decode_tokens)
+
+    t0 = time.time()
+    collector = collect_counts(model, states, loop, trials)
+    points = aggregate_counts(collector.records, trials)
+    fits = {law: {ph: fit_phase(points[ph], phase=ph, length_law=law == "length") for ph in PHASES} for law in laws}
+    return fits, time.time() - t0
+
+
+def measure(model, tokenizer, states, fits_by_law, targets, source, length, chunk_size, decode_tokens):
+    """Exact realized sparsity of one held-out prompt: {law: {target: {phase: sparsity}}}, every law and target
+    measured in the same dense pass."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration import natural_text
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.calibrate import collect_counts, run_sample
+
+    text, n = natural_text.heldout_prompt(tokenizer, source, length)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    keys = [(law, t) for law in fits_by_law for t in targets]
+    trials = [
+        (tuple(fits_by_law[law][ph].log_scale_factor(t) for ph in PHASES),
+         tuple(fits_by_law[law][ph].length_exponent for ph in PHASES))
+        for law, t in keys
+    ]  # fmt: skip
+    collector = collect_counts(
+        model, states, lambda m: run_sample(m, ids, chunk_size=chunk_size, decode_tokens=decode_tokens), law=trials
+    )
+    totals = {ph: torch.zeros(len(keys), 2, dtype=torch.int64) for ph in PHASES}
+    for rec in collector.records:
+        totals[rec.phase] += torch.as_tensor(rec.counts)
+    realized: dict = {law: {} for law in fits_by_law}
+    for i, (law, t) in enumerate(keys):
+        realized[law][t] = {
+            ph: (float(totals[ph][i, 1]) / float(totals[ph][i, 0]) if totals[ph][i, 0] else None) for ph in PHASES
+        }
+    return realized, ids.shape[1]
+
+
+@torch.no_grad()
+def quality(model, tokenizer, states, fits, targets, sources, length, decode_tokens):
+    """Perplexity delta and greedy agreement with dense at each target, served sparse, on held-out prompts."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration import natural_text
+
+    texts = [natural_text.heldout_prompt(tokenizer, src, length)[0] for src in sources]
+    ids = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+
+    def run(enabled: bool):
+        for state in states:
+            state.enabled = enabled
+        nll, tokens, argmaxes, greedy = 0.0, 0, [], []
+        for x in ids:
+            logits = model(x).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            tokens += x.shape[1] - 1
+            argmaxes.append(logits.argmax(-1))
+            half = x[:, : x.shape[1] // 2]
+            greedy.append(model.generate(half, max_new_tokens=decode_tokens, do_sample=False)[0, half.shape[1] :])
+        return math.exp(nll / tokens), argmaxes, greedy
+
+    dense_ppl, dense_arg, dense_greedy = run(False)
+    rows = {}
+    for t in targets:
+        for state in states:
+            for ph in PHASES:
+                state.calibration[ph] = fits[ph].to_phase_calibration(t)
+        ppl, arg, greedy = run(True)
+        rows[t] = dict(
+            ppl=ppl,
+            ppl_delta=ppl / dense_ppl - 1.0,
+            next_token_agree=float(torch.cat([a == b for a, b in zip(arg, dense_arg, strict=True)]).float().mean()),
+            greedy_agree=float(
+                torch.cat([a == b for a, b in zip(greedy, dense_greedy, strict=True)]).float().mean()
+            ),
+        )
+    for state in states:
+        state.enabled = True
+    return dict(dense_ppl=dense_ppl, targets=rows)
+
+
+def summarize(cells, targets, law):
+    """Mean and max |realized - target| per phase over reachable cells, and how many are within 0.05."""
+    out = {}
+    for ph in PHASES:
+        errs = []
+        for c in cells:
+            for t in targets:
+                r = c["realized"][law][t][ph]
+                if r is not None and not c["unreachable"][law][t][ph]:
+                    errs.append(abs(r - t))
+        out[ph] = dict(
+            mean_abs_error=float(sum(errs) / len(errs)) if errs else None,
+            max_abs_error=float(max(errs)) if errs else None,
+            within_0_05=sum(e <= 0.05 for e in errs),
+            cells=len(errs),
+        )
+    return out
+
+
+def table(cells, targets, sources, lengths, phase, law) -> str:
+    head = "| target | " + " | ".join(f"{s} {n}" for s in sources for n in lengths) + " |"
+    lines = [head, "|" + "---|" * (1 + len(sources) * len(lengths))]
+    by = {(c["source"], c["length"]): c for c in cells}
+    for t in targets:
+        row = [f"{t:g}"]
+        for s in sources:
+            for n in lengths:
+                c = by[(s, n)]
+                r = c["realized"][law][t][phase]
+                dense = c["unreachable"][law][t][phase]
+                row.append("dense (unreachable)" if dense else ("-" if r is None else f"{r:.3f}"))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(cells, targets, sources, law, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, ph in enumerate(PHASES):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for j, t in enumerate(targets):
+            ax.axhline(t, color=f"C{j}", lw=0.8, ls=":")
+            for s, marker in zip(sources, "os^", strict=False):
+                pts = sorted((c["length"], c["realized"][law][t][ph]) for c in cells if c["source"] == s
+                             and c["realized"][law][t][ph] is not None
+                             and not c["unreachable"][law][t][ph])  # fmt: skip
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    ax.plot(xs, ys, marker=marker, color=f"C{j}", label=f"target {t:g}, {s}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("realized sparsity (dropped / visited row-tiles)")
+        ax.set_title(f"{ph}: realized vs target (dotted), held-out text, {law} law", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
+
+    targets = [float(x) for x in args.targets.split(",")]
+    lengths = _ints(args.lengths) if args.lengths else ([512, 1024] if args.quick else [1024, 2048, 4096])
+    calib_lengths = _ints(args.calib_lengths) if args.calib_lengths else [n for n in lengths if n <= 4096]
+    per_length = args.calib_samples_per_length or (3 if args.quick else 6)
+    sources = [s for s in args.sources.split(",") if s]
+    quality_length = args.quality_length if args.quality_length is not None else (256 if args.quick else 1024)
+    out_dir = Path(args.out or REPO / "artifacts" / ("fidelity_quick" if args.quick else "fidelity"))
+    if not Path(args.model, "config.json").is_file():
+        sys.exit(f"fidelity: {args.model} is not a Hugging Face checkpoint directory; run `make model` first")
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = mtsa.sparsify(model, mtsa.SKIP_SOFTMAX_DEFAULT)
+    states = list(mtsa.sparse_attention_states(model).values())
+
+    laws = ["length", "modelopt"] if args.law == "both" else [args.law]
+    fits, calib_s = calibrate(
+        model, tokenizer, states, calib_lengths, per_length, args.chunk_size, args.decode_tokens, laws
+    )
+    cells = []
+    for source in sources:
+        for length in lengths:
+            t0 = time.time()
+            realized, n_tokens = measure(
+                model, tokenizer, states, fits, targets, source, length, args.chunk_size, args.decode_tokens
+            )
+            unreachable = {
+                law: {t: {"prefill": fits[law]["prefill"].dense_below(t) >= n_tokens,
+                          "decode": fits[law]["decode"].dense_below(t) >= n_tokens + 1} for t in targets}
+                for law in laws
+            }  # fmt: skip
+            cells.append(dict(source=source, length=length, tokens=n_tokens, realized=realized,
+                              unreachable=unreachable, seconds=time.time() - t0))  # fmt: skip
+            logger.info("%s %d (%.0f s): %s", source, length, time.time() - t0, realized)
+    result = dict(
+        model=str(args.model), laws=laws, targets=targets, lengths=lengths, calib_lengths=calib_lengths,
+        calib_samples_per_length=per_length, calib_seconds=calib_s,
+        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent, reference_length=f.reference_length,
+                             r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
+                    for ph, f in fits[law].items()} for law in laws},
+        cells=cells, summary={law: summarize(cells, targets, law) for law in laws},
+    )  # fmt: skip
+    if quality_length:
+        result["quality"] = {
+            law: quality(model, tokenizer, states, fits[law], targets, sources, quality_length, 16) for law in laws
+        }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fidelity.json").write_text(json.dumps(result, indent=1, default=str))
+    for law in laws:
+        plot(cells, targets, sources, law, out_dir / f"fidelity_{law}.png")
+
+    for law in laws:
+        print(f"\n## {law} law; fits: " + "; ".join(
+            f"{ph} a={f.a:.4g} b={f.b:.4g} γ={f.length_exponent:.3f} R²={f.r2:.3f}" for ph, f in fits[law].items()))
+        for ph in PHASES:
+            print(f"\n{ph} realized sparsity (held-out, {', '.join(sources)}):")
+            print(table(cells, targets, sources, lengths, ph, law))
+            s = result["summary"][law][ph]
+            if s["cells"]:
+                print(f"mean |realized - target| {s['mean_abs_error']:.3f}, max {s['max_abs_error']:.3f}, "
+                      f"{s['within_0_05']}/{s['cells']} cells within 0.05")
+        if quality_length:
+            q = result["quality"][law]
+            print(f"\nquality at {quality_length} tokens (dense ppl {q['dense_ppl']:.4f}):")
+            print("| target | ppl | Δppl | next-token agree | greedy agree |\n|---|---|---|---|---|")
+            for t, r in q["targets"].items():
+                print(f"| {t:g} | {r['ppl']:.4f} | {100 * r['ppl_delta']:+.2f} % | {r['next_token_agree']:.3f} | "
+                      f"{r['greedy_agree']:.3f} |")
+    print(f"\nwrote {out_dir / 'fidelity.json'} and the PNGs beside it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
