@@ -18,7 +18,15 @@ from torch import nn
 
 from ..config import PHASES, SkipSoftmaxCalibrationConfig
 from ..plugins.huggingface import SparseAttentionState, prompt_length
-from .fit import CalibrationFitError, CalibrationRecord, PhaseFit, aggregate_counts, default_threshold_trials, fit_phase
+from .fit import (
+    CalibrationFitError,
+    CalibrationRecord,
+    PhaseFit,
+    aggregate_counts,
+    default_threshold_trials,
+    fit_phase,
+    log_unreachable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +176,7 @@ def calibrate_sparse_attention(
             fit = fits.get(phase)
             state.calibration[phase] = None if fit is None else fit.to_phase_calibration(cfg.target_sparse_ratio[phase])
     for phase, fit in fits.items():
+        log_unreachable(fit, cfg.target_sparse_ratio[phase], "calibration: ")
         logger.info(
             "calibrated %s: a=%.6g b=%.4f (R²=%.3f, %d points) target %.2f -> scale factor %.4g",
             phase, fit.a, fit.b, fit.r2, fit.n_points, cfg.target_sparse_ratio[phase],

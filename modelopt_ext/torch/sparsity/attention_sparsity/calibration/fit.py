@@ -339,15 +339,23 @@ def plot_fit(
         fit = fits.get(phase)
         if fit is not None:
             grid = np.linspace(0.0, 1.0, 200)
-            ax.plot(
-                grid, fit.a * np.exp(fit.b * grid), color="C3", label=f"a={fit.a:.3g}, b={fit.b:.3g}, R²={fit.r2:.3f}"
-            )
+            label = f"a={fit.a:.3g}, b={fit.b:.3g}, R²={fit.r2:.3f}"
+            if fit.reference_length is None:
+                ax.plot(grid, fit.a * np.exp(fit.b * grid), color="C3", label=label)
+            else:  # the length law: one curve per length it saw (scale factor = λ·n at that length)
+                lo, hi = fit.length_range or (fit.reference_length, fit.reference_length)
+                for j, n in enumerate(sorted({lo, int(round(fit.reference_length)), hi})):
+                    sf = np.array([fit.threshold(x, n) * n for x in grid])
+                    ax.plot(grid, sf, color=f"C{3 + j}", label=f"n={n}" + (f": {label}, γ={fit.length_exponent:.2f}"
+                                                                         if j == 0 else ""))  # fmt: skip
             ax.axvspan(*fit.sparsity_range, color="C2", alpha=0.08, label="observed range")
+            for note in unreachable_notes(fit, (0.3, 0.5, 0.7)):
+                ax.text(0.02, 0.02 + 0.05 * note[0], note[1], transform=ax.transAxes, fontsize=7)
         for lim in (MIN_INFORMATIVE_SPARSITY, MAX_INFORMATIVE_SPARSITY):
             ax.axvline(lim, color="grey", lw=0.6, ls=":")
         ax.set_yscale("log")
         ax.set_xlim(0.0, 1.0)
-        ax.set_xlabel("sparsity (skipped / visited tiles)")
+        ax.set_xlabel("sparsity (dropped / visited row-tiles)")
         ax.set_ylabel("scale factor (λ · kv_len)")
         ax.set_title(f"{phase}: scale_factor = a·exp(b·sparsity)")
         ax.legend(loc="upper left", fontsize=8)
@@ -356,6 +364,24 @@ def plot_fit(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def unreachable_notes(fit: PhaseFit, targets) -> list[tuple[int, str]]:
+    """(index, text) for each target some lengths cannot reach: rows whose law length is below the returned
+    bound get λ >= 1 and run dense (docs/skip_softmax.md)."""
+    notes = []
+    for i, t in enumerate(targets):
+        cut = fit.dense_below(t)
+        if cut >= 2:
+            where = "every length" if math.isinf(cut) else f"lengths <= {int(cut)} tokens"
+            notes.append((i, f"target {t:g}: {where} run dense (λ >= 1)"))
+    return notes
+
+
+def log_unreachable(fit: PhaseFit, target: float, label: str = "") -> None:
+    """Say once, at calibration or load time, which lengths a target leaves dense (instead of silently)."""
+    for _, text in unreachable_notes(fit, (target,)):
+        logger.warning("%s%s %s", label, fit.phase, text)
 
 
 def points_from_merged_record(record: Mapping[str, Any]) -> dict[str, list[FitPoint]]:
