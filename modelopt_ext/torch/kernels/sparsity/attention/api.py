@@ -12,13 +12,18 @@ from .semantics import check_inputs, default_prompt_lens, normalize_thresholds
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @functools.cache
 def _warn_fallback(reason: str) -> None:
     logger.warning("skip-softmax attention: the Triton kernel does not cover this input (%s); "
                    "using the PyTorch reference", reason)
+
+
+@functools.cache
+def _warn_cpu_fallback(reason: str) -> None:
+    logger.warning("skip-softmax attention: %s; using the PyTorch reference", reason)
 
 
 @functools.cache
@@ -35,6 +40,14 @@ def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> st
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
+        if q.device.type == "cpu":
+            from .cpu_kernel import unsupported_reason as cpu_reason
+
+            reason = cpu_reason(q, k_cache)
+            if reason is not None:
+                _warn_cpu_fallback(reason)
+                return "torch"
+            return "cpu"
         if not (q.is_cuda and triton_available()):
             return "torch"
         from .triton_kernel import unsupported_reason
@@ -46,6 +59,12 @@ def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> st
         return "triton"
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
+    if backend == "cpu":
+        from .cpu_kernel import unsupported_reason as cpu_reason
+
+        reason = cpu_reason(q, k_cache)
+        if reason is not None:
+            raise RuntimeError(f"backend='cpu' cannot run this input: {reason}; use backend='auto' or 'torch'")
     return backend
 
 
@@ -81,8 +100,9 @@ def paged_skip_softmax_attention(
         threshold_trials: calibration λ trials ([T] or [B, T]) for every row; the output stays dense.
         return_skip_counts: also return [B, 1, 2] (visited, skipped) row-tile counts of what was dropped.
         out: optional [>= total_q, Hq, D] output; rows past total_q are left untouched.
-        backend: "torch" (reference), "triton", or "auto" (Triton on CUDA when it covers the input, else the
-            reference, with one warning).
+        backend: "torch" (reference), "triton", "cpu" (compiled CPU kernel, built on first use), or "auto"
+            (Triton on CUDA / the compiled kernel on CPU when it covers the input, else the reference, with the
+            reason logged once).
         max_seqlen_k: optional host int bounding every `seq_lens_k` (e.g. vLLM's `max_seq_len`); lets the Triton
             decode path size its split-K workspace without a device read.
         log_scale_factors: the calibrated law instead of a plain λ: [B, 2] (serving) or [B, T, 2] (calibration,
@@ -123,6 +143,10 @@ def paged_skip_softmax_attention(
         counts = paged_skip_softmax_attention_triton(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k, **kwargs
         )
+    elif chosen == "cpu":
+        from .cpu_kernel import paged_skip_softmax_attention_cpu
+
+        counts = paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
     else:
         counts = paged_skip_softmax_attention_reference(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs

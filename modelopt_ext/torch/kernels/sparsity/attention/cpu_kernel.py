@@ -1,0 +1,163 @@
+"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 2).
+
+The kernel is C++ (`csrc/skip_softmax_cpu.cpp`), built with `torch.utils.cpp_extension.load` (g++ and ninja) the
+first time it is needed and cached: a second process, or a second run of `make`, loads the cached library in well
+under a second. The build directory is keyed on everything the binary depends on (source, torch version and ABI,
+compiler flags, the CPU's instruction set), so two environments or machines sharing a cache never load each
+other's builds. It is built with `-march=native` for the machine it runs on.
+
+Where it cannot build (no compiler, no ninja, a failing compile) `unavailable_reason()` says why and `auto` uses
+the PyTorch reference; `MODELOPT_EXT_CPU_KERNEL=0` switches it off. The cache lives in `$MODELOPT_EXT_CACHE_DIR`,
+else `$XDG_CACHE_HOME/modelopt_ext`, else `~/.cache/modelopt_ext` (subfolder `torch_extensions`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "skip_softmax_cpu.cpp"
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+DISABLE_ENV = "MODELOPT_EXT_CPU_KERNEL"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_root() -> Path:
+    """Folder holding the built kernels (one subfolder per build key)."""
+    base = os.environ.get("MODELOPT_EXT_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = os.path.join(xdg, "modelopt_ext")
+    return Path(base) / "torch_extensions"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """Hash of everything the compiled library depends on."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    parts = (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version.split()[0], platform.machine(),
+             " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_signature())
+    for part in parts:
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _build():
+    """Build (or load the cached build of) the extension; returns the op. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    name = f"modelopt_ext_skip_softmax_cpu_{build_key()}"
+    build_dir = cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = any(build_dir.glob(f"{name}*.so"))
+    if not cached:
+        logger.info("building the compiled CPU skip-softmax kernel (once, cached in %s)", build_dir)
+    start = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    if not cached:
+        logger.info("built the CPU skip-softmax kernel in %.1f s", time.perf_counter() - start)
+    return torch.ops.modelopt_ext_cpu.skip_softmax_attention
+
+
+def _load():
+    with _lock:
+        if "op" in _state or "reason" in _state:
+            return _state.get("op"), _state.get("reason")
+        if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+            _state["reason"] = f"the compiled CPU kernel is switched off ({DISABLE_ENV}=0)"
+        else:
+            try:
+                _state["op"] = _build()
+            except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference, say why
+                text = " ".join(str(exc).split())
+                _state["reason"] = (
+                    f"the compiled CPU kernel did not build ({type(exc).__name__}: {text[-600:]}); it needs g++ and "
+                    f"ninja on PATH and a writable cache ({cache_root()})"
+                )
+        return _state.get("op"), _state.get("reason")
+
+
+def unavailable_reason() -> str | None:
+    """None when the compiled kernel is usable (building it on first call), else why not."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the compiled kernel does not cover this input (None when it does)."""
+    if q.device.type != "cpu" or k_cache.device.type != "cpu":
+        return f"the compiled CPU kernel runs on CPU tensors (got {q.device})"
+    if q.dtype not in CPU_KERNEL_DTYPES:
+        return f"the compiled CPU kernel covers {', '.join(str(d) for d in CPU_KERNEL_DTYPES)}, not {q.dtype}"
+    return unavailable_reason()
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+
+
+def paged_skip_softmax_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    log_sf: torch.Tensor | None,
+    gamma: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    calibrate: bool,
+    out: torch.Tensor,
+) -> torch.Tensor | None:
+    """Compiled CPU backend (same arguments and result as the reference backend).
+
+    q [total_q, Hq, D] and the [num_blocks, page, Hkv, D] cache views may have any strides; the cache is read in
+    place. `log_sf` [B, T, 2] float32 or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with
+    `calibrate` the output is dense and counts cover all T trials, else T == 1 and each row's drops are applied.
+    Returns counts [B, T, 2] int64 or None.
+    """
+    op, reason = _load()
+    if op is None:
+        raise RuntimeError(f"backend='cpu' is unavailable: {reason}")
+    counts = op(
+        q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k), float(softmax_scale),
+        log_sf, gamma, _int32(prompt_lens), bool(calibrate), out,
+    )
+    return counts if log_sf is not None else None

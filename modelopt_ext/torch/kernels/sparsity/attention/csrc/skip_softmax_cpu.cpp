@@ -1,0 +1,722 @@
+// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 2).
+//
+// One work item is (sequence, KV head, block of query rows[, key split]). Its rows are the (query row, query head)
+// pairs of the block that share the KV head (GQA), m = r * group + h. For each key tile of 64 keys (aligned to
+// absolute positions) the item computes the scores of every row that visits the tile, takes each row's tile max,
+// decides per row against the reference max (running max within the tile's 2048-key split, seeded with the row's
+// tile 0), and runs the online softmax and P·V only for the rows that keep the tile: a dropped row-tile costs no
+// exp and no P·V, and a tile every row drops costs no V load at all.
+//
+// The cache is read in place through the block table with any strides. The fast path reads K as stored by vLLM's
+// CPU backend (keys contiguous per dimension: last-dim stride = page) and V rows (last-dim stride 1); other layouts
+// are repacked per tile into a small per-thread buffer. Keys at or past kv_len and past a row's causal limit never
+// reach an output or a count: their scores are replaced (not scaled) by -inf, whole 16-key chunks past kv_len are
+// never read, and P·V only reads V rows that some kept row can see.
+//
+// Parallelism: items are sorted by estimated cost and taken dynamically from an atomic counter by the threads of
+// torch's intra-op pool (at::parallel_for over thread slots). Sequences with a single row block are also split
+// along the key axis at SPLIT_TOKENS boundaries (decode); each split decides exactly as the sequential loop would
+// (the reference max restarts at each split, seeded with tile 0) and partial softmax states are merged at the end.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kTileK = 64;        // semantics.TILE_K
+constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
+constexpr int kSplitTiles = kSplitTokens / kTileK;
+constexpr int kChunk = 16;        // keys per score micro-kernel column block
+constexpr int kChunks = kTileK / kChunk;
+constexpr int kQkRows = 6;        // rows per score micro-kernel call
+constexpr int kPvRows = 4;        // rows per P·V micro-kernel call
+constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v8f load8(const c10::BFloat16* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline v8f load8(const c10::Half* p) {
+#if defined(__F16C__)
+  __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v8f v;
+  std::memcpy(&v, &x, sizeof(v));
+  return v;
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float hsum(v8f v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (Cody-Waite range reduction, degree-6 minimax polynomial; about 1 ulp). x below -87.3, -inf
+// included, gives exactly 0: the 2^n factor's exponent field underflows to zero, so no denormals are produced.
+inline v8f vexp(v8f x) {
+  const v8f lo = splat(-88.0f);
+  x = x < lo ? lo : x;
+  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  v8f n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v8f r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  v8f p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f pow2;
+  std::memcpy(&pow2, &e, sizeof(pow2));
+  return p * pow2;
+}
+
+// S[r][0..15] = sum_d q[r][d] * K[d][0..15] for R rows; K element (d, j) at k[d * sd + j].
+template <typename T, int R>
+inline void qk_kernel(const float* q, int D, const T* k, int64_t sd, float* s) {
+  v8f acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = splat(0.f);
+  for (int d = 0; d < D; ++d) {
+    const T* kp = k + d * sd;
+    v8f k0 = load8(kp), k1 = load8(kp + 8);
+    for (int r = 0; r < R; ++r) {
+      v8f qb = splat(q[r * D + d]);
+      acc[r][0] += qb * k0;
+      acc[r][1] += qb * k1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store8(s + r * kTileK, acc[r][0]);
+    store8(s + r * kTileK + 8, acc[r][1]);
+  }
+}
+
+template <typename T>
+inline void qk_rows(const float* q, int D, int rows, const T* k, int64_t sd, float* s) {
+  int r = 0;
+  for (; r + kQkRows <= rows; r += kQkRows) qk_kernel<T, kQkRows>(q + r * D, D, k, sd, s + r * kTileK);
+  switch (rows - r) {
+    case 5: qk_kernel<T, 5>(q + r * D, D, k, sd, s + r * kTileK); break;
+    case 4: qk_kernel<T, 4>(q + r * D, D, k, sd, s + r * kTileK); break;
+    case 3: qk_kernel<T, 3>(q + r * D, D, k, sd, s + r * kTileK); break;
+    case 2: qk_kernel<T, 2>(q + r * D, D, k, sd, s + r * kTileK); break;
+    case 1: qk_kernel<T, 1>(q + r * D, D, k, sd, s + r * kTileK); break;
+    default: break;
+  }
+}
+
+// O[r][:] += sum_j P[r][j] * V[j][:] for R rows given by pointers; V row j at vrow[j] (contiguous dims).
+template <typename T, int R>
+inline void pv_kernel(float* const* p, float* const* o, const T* const* vrow, int nj, int D) {
+  int d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
+    v8f acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = load8(o[r] + d0);
+      acc[r][1] = load8(o[r] + d0 + 8);
+    }
+    for (int j = 0; j < nj; ++j) {
+      const T* vp = vrow[j] + d0;
+      v8f v0 = load8(vp), v1 = load8(vp + 8);
+      for (int r = 0; r < R; ++r) {
+        v8f pb = splat(p[r][j]);
+        acc[r][0] += pb * v0;
+        acc[r][1] += pb * v1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(o[r] + d0, acc[r][0]);
+      store8(o[r] + d0 + 8, acc[r][1]);
+    }
+  }
+  for (; d0 < D; ++d0) {  // head sizes that are not a multiple of 16
+    for (int r = 0; r < R; ++r) {
+      float acc = o[r][d0];
+      for (int j = 0; j < nj; ++j) acc += p[r][j] * static_cast<float>(vrow[j][d0]);
+      o[r][d0] = acc;
+    }
+  }
+}
+
+template <typename T>
+inline void pv_rows(float* const* p, float* const* o, int rows, const T* const* vrow, int nj, int D) {
+  int r = 0;
+  for (; r + kPvRows <= rows; r += kPvRows) pv_kernel<T, kPvRows>(p + r, o + r, vrow, nj, D);
+  switch (rows - r) {
+    case 3: pv_kernel<T, 3>(p + r, o + r, vrow, nj, D); break;
+    case 2: pv_kernel<T, 2>(p + r, o + r, vrow, nj, D); break;
+    case 1: pv_kernel<T, 1>(p + r, o + r, vrow, nj, D); break;
+    default: break;
+  }
+}
+
+struct Params {
+  int64_t B, Hq, Hkv, D, group, page, nblocks, P, T;
+  const int32_t* bt;
+  const int32_t* cu;
+  const int32_t* kvlen;
+  const int32_t* plen;
+  const void* q;
+  int64_t sq0, sq1, sq2;
+  const void* k;
+  int64_t sk0, sk1, sk2, sk3;
+  const void* v;
+  int64_t sv0, sv1, sv2, sv3;
+  void* out;
+  int64_t so0, so1, so2;
+  float scale;
+  const float* log_sf;  // [B, T, 2] or null (dense, no counts)
+  const float* gamma;   // [B, 2]
+  bool calibrate;
+  bool k_direct;  // K chunks readable in place: keys contiguous (stride 1) and 16-key chunks never cross pages
+  bool v_direct;  // V rows contiguous
+  int64_t* skipped;  // [B, T] (counts[..., 1] written at the end)
+};
+
+struct Item {
+  int32_t b, kvh, r0, r1;  // rows r0..r1-1 of sequence b (0-based among its new rows)
+  int32_t split;           // -1: every key tile in order; else key split index (partial state to workspace)
+  int64_t ws;              // workspace offset (floats) of this item's partial state
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, s, o, mx, l, g0, srun, lnl;
+  std::vector<int32_t> pos;
+  std::vector<unsigned char> kbuf, vbuf;
+  std::vector<const void*> vrow;
+  std::vector<float*> prow, orow;
+  std::vector<int64_t> skipped;
+};
+
+template <typename T>
+class Kernel {
+ public:
+  explicit Kernel(const Params& p) : p_(p) {}
+
+  void run_item(const Item& it, Scratch& sc, float* ws) const {
+    const Params& p = p_;
+    const int b = it.b, kvh = it.kvh, group = static_cast<int>(p.group), D = static_cast<int>(p.D);
+    const int n_rows = it.r1 - it.r0;
+    const int M = n_rows * group;
+    const int64_t q0 = p.cu[b], q_len = p.cu[b + 1] - p.cu[b];
+    const int64_t kv_len = p.kvlen[b];
+    const int64_t offset = kv_len - q_len;
+    const int n_trials = static_cast<int>(p.T);
+    sc.q.resize(static_cast<size_t>(M) * D);
+    sc.s.resize(static_cast<size_t>(M) * kTileK);
+    sc.o.assign(static_cast<size_t>(M) * D, 0.f);
+    sc.mx.assign(M, kNegInf);
+    sc.l.assign(M, 0.f);
+    sc.g0.assign(M, kNegInf);
+    sc.srun.assign(M, kNegInf);
+    sc.pos.resize(M);
+    sc.lnl.assign(static_cast<size_t>(M) * std::max(n_trials, 1), kNegInf);
+    sc.skipped.assign(std::max(n_trials, 1), 0);
+    sc.prow.resize(M);
+    sc.orow.resize(M);
+    sc.vrow.resize(kTileK);
+    sc.kbuf.resize(sizeof(T) * kChunks * kChunk * D);
+    sc.vbuf.resize(sizeof(T) * kTileK * D);
+
+    const T* qp = static_cast<const T*>(p.q);
+    for (int r = 0; r < n_rows; ++r) {
+      const int64_t row = q0 + it.r0 + r;
+      const int32_t pos = static_cast<int32_t>(offset + it.r0 + r);
+      for (int hh = 0; hh < group; ++hh) {
+        const int m = r * group + hh;
+        const int64_t h = static_cast<int64_t>(kvh) * group + hh;
+        const T* src = qp + row * p.sq0 + h * p.sq1;
+        float* dst = sc.q.data() + static_cast<size_t>(m) * D;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.sq2]);
+        sc.pos[m] = pos;
+      }
+      if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
+    }
+
+    const int32_t last_pos = static_cast<int32_t>(offset + it.r1 - 1);
+    const int first_pos = static_cast<int>(offset + it.r0);
+    int t_begin = 0, t_end = last_pos / kTileK + 1;
+    if (it.split >= 0) {
+      t_begin = it.split * kSplitTiles;
+      t_end = std::min(t_end, t_begin + kSplitTiles);
+    }
+    if (t_begin > 0 && t_begin < t_end) {
+      // Anchor: this split's reference max is seeded with each row's tile-0 max (no exp, no P·V for it here).
+      const int m_lo = first_active(sc, M, 0);
+      scores(it, sc, 0, m_lo, M);
+      for (int m = m_lo; m < M; ++m) sc.g0[m] = row_max(sc.s.data() + static_cast<size_t>(m) * kTileK);
+    }
+    for (int t = t_begin; t < t_end; ++t) {
+      const int64_t kstart = static_cast<int64_t>(t) * kTileK;
+      // Rows are sorted by position: the rows that visit tile t are a suffix.
+      const int m_lo = kstart <= first_pos ? 0 : first_active(sc, M, kstart);
+      if (m_lo >= M) continue;
+      scores(it, sc, t, m_lo, M);
+      int n_kept = 0;
+      int j_end = 0;  // V rows 0..j_end-1 of the tile are needed by some kept row
+      if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
+      for (int m = m_lo; m < M; ++m) {
+        float* s = sc.s.data() + static_cast<size_t>(m) * kTileK;
+        const float g = row_max(s);
+        bool keep = true;
+        if (t == 0) {
+          sc.g0[m] = g;
+          sc.srun[m] = g;
+        } else {
+          const float ref = std::max(sc.g0[m], sc.srun[m]);
+          const float gap = g - ref;
+          sc.srun[m] = std::max(sc.srun[m], g);
+          if (p.log_sf != nullptr) {
+            const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
+            for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
+            keep = p.calibrate || !(gap < lnl[0]);
+          }
+        }
+        if (!keep) continue;
+        const int nj = static_cast<int>(std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart)));
+        j_end = std::max(j_end, nj);
+        online_softmax_row(sc, m, s, g, D);
+        sc.prow[n_kept] = s;
+        sc.orow[n_kept] = sc.o.data() + static_cast<size_t>(m) * D;
+        ++n_kept;
+      }
+      if (n_kept == 0) continue;
+      const T** vrow = reinterpret_cast<const T**>(sc.vrow.data());
+      value_rows(it, sc, kstart, j_end, vrow);
+      pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, j_end, D);
+    }
+
+    if (p.log_sf != nullptr) {
+      for (int tr = 0; tr < n_trials; ++tr) {
+        if (sc.skipped[tr] != 0) __atomic_fetch_add(p.skipped + b * n_trials + tr, sc.skipped[tr], __ATOMIC_RELAXED);
+      }
+    }
+    if (it.split >= 0) {
+      for (int m = 0; m < M; ++m) {
+        float* w = ws + it.ws + static_cast<int64_t>(m) * (D + 2);
+        w[0] = sc.mx[m];
+        w[1] = sc.l[m];
+        std::memcpy(w + 2, sc.o.data() + static_cast<size_t>(m) * D, sizeof(float) * D);
+      }
+      return;
+    }
+    T* op = static_cast<T*>(p.out);
+    for (int r = 0; r < n_rows; ++r) {
+      const int64_t row = q0 + it.r0 + r;
+      for (int hh = 0; hh < group; ++hh) {
+        const int m = r * group + hh;
+        const int64_t h = static_cast<int64_t>(kvh) * group + hh;
+        const float inv = 1.f / sc.l[m];
+        const float* src = sc.o.data() + static_cast<size_t>(m) * D;
+        T* dst = op + row * p.so0 + h * p.so1;
+        for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(src[d] * inv);
+      }
+    }
+  }
+
+  // Merge the partial states of the key splits of (b, kvh, rows r0..r1-1) into the output.
+  void merge(int b, int kvh, int r0, int r1, int n_splits, int64_t ws0, const float* ws) const {
+    const Params& p = p_;
+    const int group = static_cast<int>(p.group), D = static_cast<int>(p.D);
+    const int M = (r1 - r0) * group;
+    const int64_t stride = static_cast<int64_t>(M) * (D + 2);
+    std::vector<float> acc(D);
+    T* op = static_cast<T*>(p.out);
+    for (int m = 0; m < M; ++m) {
+      float mx = kNegInf;
+      for (int s = 0; s < n_splits; ++s) mx = std::max(mx, ws[ws0 + s * stride + static_cast<int64_t>(m) * (D + 2)]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float l = 0.f;
+      for (int s = 0; s < n_splits; ++s) {
+        const float* w = ws + ws0 + s * stride + static_cast<int64_t>(m) * (D + 2);
+        if (w[1] == 0.f) continue;  // this split holds no key of the row
+        const float a = std::exp(w[0] - mx);
+        l += a * w[1];
+        for (int d = 0; d < D; ++d) acc[d] += a * w[2 + d];
+      }
+      const int r = m / group, hh = m % group;
+      const int64_t row = p.cu[b] + r0 + r;
+      const int64_t h = static_cast<int64_t>(kvh) * group + hh;
+      T* dst = op + row * p.so0 + h * p.so1;
+      const float inv = 1.f / l;
+      for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(acc[d] * inv);
+    }
+  }
+
+ private:
+  const Params& p_;
+
+  // ln λ of a row for every trial, copied for its `group` heads: docs/skip_softmax.md "λ of a row".
+  void row_log_lambdas(int b, int32_t pos, float* dst, int group) const {
+    const Params& p = p_;
+    const int n_trials = static_cast<int>(p.T);
+    const int64_t prompt = p.plen[b];
+    const bool decode = pos >= prompt;
+    const double n = decode ? static_cast<double>(pos) + 1.0 : static_cast<double>(std::max<int64_t>(prompt, 1));
+    const int phase = decode ? 1 : 0;
+    const double ln_n = std::log(n);
+    for (int tr = 0; tr < n_trials; ++tr) {
+      const double c = p.log_sf[(static_cast<int64_t>(b) * n_trials + tr) * 2 + phase];
+      const float x = static_cast<float>(c - static_cast<double>(p.gamma[b * 2 + phase]) * ln_n);
+      const float lnl = x < 0.f ? x : kNegInf;  // NaN and λ >= 1: no drop
+      for (int hh = 0; hh < group; ++hh) dst[hh * n_trials + tr] = lnl;
+    }
+  }
+
+  static int first_active(const Scratch& sc, int M, int64_t kstart) {
+    int m = 0;
+    while (m < M && sc.pos[m] < kstart) ++m;
+    return m;
+  }
+
+  static float row_max(const float* s) {
+    v8f m = load8(s);
+    for (int j = 8; j < kTileK; j += 8) {
+      v8f x = load8(s + j);
+      m = x > m ? x : m;
+    }
+    return hmax(m);
+  }
+
+  const T* key_base(int b, int kvh, int64_t key) const {
+    const Params& p = p_;
+    const int64_t blk = p.bt[b * p.P + key / p.page];
+    return static_cast<const T*>(p.k) + blk * p.sk0 + (key % p.page) * p.sk1 + kvh * p.sk2;
+  }
+
+  const T* value_base(int b, int kvh, int64_t key) const {
+    const Params& p = p_;
+    const int64_t blk = p.bt[b * p.P + key / p.page];
+    return static_cast<const T*>(p.v) + blk * p.sv0 + (key % p.page) * p.sv1 + kvh * p.sv2;
+  }
+
+  // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
+  // each row's causal limit.
+  void scores(const Item& it, Scratch& sc, int t, int m_lo, int M) const {
+    const Params& p = p_;
+    const int D = static_cast<int>(p.D);
+    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t kstart = static_cast<int64_t>(t) * kTileK;
+    const int rows = M - m_lo;
+    const float* q = sc.q.data() + static_cast<size_t>(m_lo) * D;
+    float* s = sc.s.data() + static_cast<size_t>(m_lo) * kTileK;
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t key0 = kstart + c * kChunk;
+      if (key0 >= kv_len) break;  // never read a chunk past kv_len (its page may not exist)
+      if (p.k_direct) {
+        qk_rows<T>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kChunk);
+      } else {
+        T* buf = reinterpret_cast<T*>(sc.kbuf.data()) + static_cast<size_t>(c) * kChunk * D;
+        for (int jj = 0; jj < kChunk; ++jj) {
+          const int64_t key = key0 + jj;
+          if (key < kv_len) {
+            const T* src = key_base(it.b, it.kvh, key);
+            for (int d = 0; d < D; ++d) buf[d * kChunk + jj] = src[d * p.sk3];
+          } else {
+            for (int d = 0; d < D; ++d) buf[d * kChunk + jj] = T(0.f);
+          }
+        }
+        qk_rows<T>(q, D, rows, buf, kChunk, s + c * kChunk);
+      }
+    }
+    const v8f scale = splat(p.scale);
+    const v8f ninf = splat(kNegInf);
+    for (int m = m_lo; m < M; ++m) {
+      float* sr = sc.s.data() + static_cast<size_t>(m) * kTileK;
+      // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
+      const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
+      for (int j = 0; j < kTileK; j += 8) {
+        v8f x = load8(sr + j) * scale;
+        if (j + 8 > lim) {
+          v8i idx = (v8i){j, j + 1, j + 2, j + 3, j + 4, j + 5, j + 6, j + 7};
+          v8i lv = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + static_cast<int32_t>(std::max<int64_t>(lim, -1));
+          x = idx < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
+        }
+        store8(sr + j, x);
+      }
+    }
+  }
+
+  void online_softmax_row(Scratch& sc, int m, float* s, float g, int D) const {
+    float mx = sc.mx[m];
+    if (g > mx) {
+      if (mx != kNegInf) {
+        const float a = std::exp(mx - g);
+        sc.l[m] *= a;
+        float* o = sc.o.data() + static_cast<size_t>(m) * D;
+        for (int d = 0; d < D; ++d) o[d] *= a;
+      }
+      mx = g;
+      sc.mx[m] = g;
+    }
+    const v8f mv = splat(mx);
+    v8f sum = splat(0.f);
+    for (int j = 0; j < kTileK; j += 8) {
+      v8f e = vexp(load8(s + j) - mv);
+      store8(s + j, e);
+      sum += e;
+    }
+    sc.l[m] += hsum(sum);
+  }
+
+  // Pointers to V rows kstart .. kstart + nj - 1 (all < kv_len), in place or repacked.
+  void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const T** vrow) const {
+    const Params& p = p_;
+    const int D = static_cast<int>(p.D);
+    if (p.v_direct) {
+      for (int j = 0; j < nj; ++j) vrow[j] = value_base(it.b, it.kvh, kstart + j);
+      return;
+    }
+    T* buf = reinterpret_cast<T*>(sc.vbuf.data());
+    for (int j = 0; j < nj; ++j) {
+      const T* src = value_base(it.b, it.kvh, kstart + j);
+      T* dst = buf + static_cast<size_t>(j) * D;
+      for (int d = 0; d < D; ++d) dst[d] = src[d * p.sv3];
+      vrow[j] = dst;
+    }
+  }
+};
+
+template <typename T>
+void run(const Params& p) {
+  Kernel<T> kernel(p);
+  const int64_t group = p.group;
+  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, kTargetRows / group));
+  std::vector<Item> items;
+  struct Merge {
+    int32_t b, kvh, r0, r1, n_splits;
+    int64_t ws0;
+  };
+  std::vector<Merge> merges;
+  int64_t ws_size = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t q_len = p.cu[b + 1] - p.cu[b];
+    if (q_len <= 0) continue;
+    const int64_t kv_len = p.kvlen[b];
+    const int64_t offset = kv_len - q_len;
+    // Row blocks aligned to absolute positions, so a row's blocking does not depend on chunking.
+    std::vector<std::pair<int32_t, int32_t>> blocks;
+    for (int64_t pos = offset; pos < kv_len;) {
+      const int64_t stop = std::min<int64_t>(kv_len, (pos / rows_per_item + 1) * rows_per_item);
+      blocks.emplace_back(static_cast<int32_t>(pos - offset), static_cast<int32_t>(stop - offset));
+      pos = stop;
+    }
+    const int64_t n_splits = (kv_len + kSplitTokens - 1) / kSplitTokens;
+    const bool split = blocks.size() == 1 && n_splits > 1;
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
+      for (const auto& blk : blocks) {
+        const int64_t rows = blk.second - blk.first;
+        const int64_t tiles = (offset + blk.second - 1) / kTileK + 1;
+        if (!split) {
+          items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(kvh), blk.first, blk.second, -1, 0,
+                           rows * group * tiles});
+          continue;
+        }
+        const int64_t M = rows * group;
+        merges.push_back({static_cast<int32_t>(b), static_cast<int32_t>(kvh), blk.first, blk.second,
+                          static_cast<int32_t>(n_splits), ws_size});
+        for (int64_t s = 0; s < n_splits; ++s) {
+          const int64_t split_tiles = std::min<int64_t>(kSplitTiles, tiles - s * kSplitTiles) + (s > 0 ? 1 : 0);
+          items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(kvh), blk.first, blk.second,
+                           static_cast<int32_t>(s), ws_size, M * split_tiles});
+          ws_size += M * (p.D + 2);
+        }
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> ws(static_cast<size_t>(ws_size));
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) kernel.run_item(items[i], sc, ws.data());
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Merge& mg = merges[i];
+      kernel.merge(mg.b, mg.kvh, mg.r0, mg.r1, mg.n_splits, mg.ws0, ws.data());
+    }
+  });
+}
+
+at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& seq_lens_k, double softmax_scale,
+                                  const std::optional<at::Tensor>& log_sf, const at::Tensor& gamma,
+                                  const at::Tensor& prompt_lens, bool calibrate, at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && out.dim() == 3,
+              "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D], out [N, Hq, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "skip_softmax_attention: q, caches and out must share one dtype");
+  for (const at::Tensor* t : {&block_table, &cu_seqlens_q, &seq_lens_k, &prompt_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "skip_softmax_attention: block_table, cu_seqlens_q, seq_lens_k, prompt_lens must be contiguous int32");
+  }
+  Params p{};
+  p.B = seq_lens_k.size(0);
+  p.Hq = q.size(1);
+  p.D = q.size(2);
+  p.Hkv = k_cache.size(2);
+  p.group = p.Hq / p.Hkv;
+  p.page = k_cache.size(1);
+  p.nblocks = k_cache.size(0);
+  p.P = block_table.size(1);
+  TORCH_CHECK(p.Hq % p.Hkv == 0 && k_cache.size(3) == p.D && v_cache.sizes() == k_cache.sizes(),
+              "skip_softmax_attention: head counts / sizes mismatch");
+  TORCH_CHECK(block_table.size(0) == p.B && cu_seqlens_q.size(0) == p.B + 1 && prompt_lens.size(0) == p.B,
+              "skip_softmax_attention: batch size mismatch");
+  p.bt = block_table.data_ptr<int32_t>();
+  p.cu = cu_seqlens_q.data_ptr<int32_t>();
+  p.kvlen = seq_lens_k.data_ptr<int32_t>();
+  p.plen = prompt_lens.data_ptr<int32_t>();
+  TORCH_CHECK(p.cu[0] == 0 && p.cu[p.B] <= q.size(0) && p.cu[p.B] <= out.size(0),
+              "skip_softmax_attention: cu_seqlens_q must start at 0 and end within q and out");
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t q_len = p.cu[b + 1] - p.cu[b];
+    const int64_t kv_len = p.kvlen[b];
+    TORCH_CHECK(q_len >= 0, "skip_softmax_attention: cu_seqlens_q must be non-decreasing");
+    TORCH_CHECK(kv_len >= q_len, "sequence ", b, ": seq_lens_k (", kv_len, ") must include its ", q_len,
+                " new tokens");
+    if (q_len == 0) continue;
+    const int64_t pages = (kv_len + p.page - 1) / p.page;
+    TORCH_CHECK(pages <= p.P, "sequence ", b, ": ", kv_len, " keys need ", pages, " pages but block_table has ", p.P);
+    for (int64_t i = 0; i < pages; ++i) {
+      const int32_t blk = p.bt[b * p.P + i];
+      TORCH_CHECK(blk >= 0 && blk < p.nblocks, "sequence ", b, ": block_table[", i, "] = ", blk,
+                  " is outside the cache (", p.nblocks, " blocks)");
+    }
+  }
+  p.q = q.data_ptr();
+  p.sq0 = q.stride(0);
+  p.sq1 = q.stride(1);
+  p.sq2 = q.stride(2);
+  p.k = k_cache.data_ptr();
+  p.sk0 = k_cache.stride(0);
+  p.sk1 = k_cache.stride(1);
+  p.sk2 = k_cache.stride(2);
+  p.sk3 = k_cache.stride(3);
+  p.v = v_cache.data_ptr();
+  p.sv0 = v_cache.stride(0);
+  p.sv1 = v_cache.stride(1);
+  p.sv2 = v_cache.stride(2);
+  p.sv3 = v_cache.stride(3);
+  p.out = out.data_ptr();
+  p.so0 = out.stride(0);
+  p.so1 = out.stride(1);
+  p.so2 = out.stride(2);
+  p.scale = static_cast<float>(softmax_scale);
+  p.calibrate = calibrate;
+  p.k_direct = p.sk1 == 1 && p.page % kChunk == 0;
+  p.v_direct = p.sv3 == 1;
+
+  at::Tensor counts;
+  at::Tensor log_sf_c, gamma_c;
+  if (log_sf.has_value()) {
+    log_sf_c = log_sf->to(at::kFloat).contiguous();
+    gamma_c = gamma.to(at::kFloat).contiguous();
+    TORCH_CHECK(log_sf_c.dim() == 3 && log_sf_c.size(0) == p.B && log_sf_c.size(2) == 2 && log_sf_c.size(1) >= 1,
+                "skip_softmax_attention: log_sf must be [B, T, 2]");
+    TORCH_CHECK(gamma_c.dim() == 2 && gamma_c.size(0) == p.B && gamma_c.size(1) == 2,
+                "skip_softmax_attention: gamma must be [B, 2]");
+    p.T = log_sf_c.size(1);
+    TORCH_CHECK(calibrate || p.T == 1, "skip_softmax_attention: serving takes one trial (T == 1), got ", p.T);
+    p.log_sf = log_sf_c.data_ptr<float>();
+    p.gamma = gamma_c.data_ptr<float>();
+    counts = at::zeros({p.B, p.T, 2}, at::kLong);
+  }
+  at::Tensor skipped;
+  if (log_sf.has_value()) {
+    skipped = at::zeros({p.B, p.T}, at::kLong);
+    p.skipped = skipped.data_ptr<int64_t>();
+  }
+
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(p); break;
+    case at::kBFloat16: run<c10::BFloat16>(p); break;
+    case at::kHalf: run<c10::Half>(p); break;
+    default: TORCH_CHECK(false, "skip_softmax_attention (CPU kernel): unsupported dtype ", q.scalar_type(),
+                         "; float32, bfloat16 and float16 are compiled (float64 uses the reference)");
+  }
+
+  if (!log_sf.has_value()) return at::empty({0}, at::kLong);
+  // visited = (row, query head, key tile) triples: row at position pos visits tiles 0 .. pos // 64.
+  auto cacc = counts.accessor<int64_t, 3>();
+  auto sacc = skipped.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t q_len = p.cu[b + 1] - p.cu[b];
+    const int64_t kv_len = p.kvlen[b];
+    int64_t visited = 0;
+    for (int64_t pos = kv_len - q_len; pos < kv_len; ++pos) visited += pos / kTileK + 1;
+    for (int64_t tr = 0; tr < p.T; ++tr) {
+      cacc[b][tr][0] = visited * p.Hq;
+      cacc[b][tr][1] = sacc[b][tr];
+    }
+  }
+  return counts;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(modelopt_ext_cpu, m) {
+  m.def(
+      "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
+      "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
+      "Tensor(a!) out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }

@@ -1,0 +1,277 @@
+"""The compiled CPU kernel (backend="cpu") against docs/skip_softmax.md, the float64 oracle and the reference.
+
+It runs the same random cases the reference and Triton are tested on (the helpers of
+test_skip_softmax_semantics.py: outputs within the stated tolerances of the float64 oracle, counts equal), and
+what only a compiled kernel can get wrong: every dtype it compiles (fp32, bf16, fp16), vLLM's CPU cache layout
+read in place (K transposed per block and head) beside the other layouts, page sizes that do and do not take the
+in-place path, GQA group sizes that leave partial micro-kernel blocks, stale NaN/inf past kv_len in every layout,
+key splits of long decode rows, thread-count invariance (bitwise) and the dispatch of `backend="auto"`.
+Thresholds are nudged away from decision boundaries (`safe_lambdas`), so counts must match exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from skip_attention_helpers import (
+    LAYOUTS,
+    dense_attention_f64,
+    log_lams_tensor,
+    make_case,
+    oracle,
+    quantile_lambda,
+    safe_lambdas,
+)
+from test_skip_softmax_semantics import assert_close64, chunk_of, law_kwargs, law_oracle, mixed_case, run
+
+from modelopt_ext.torch.kernels.sparsity.attention import SPLIT_TOKENS, api, cpu_kernel
+
+# (atol, rtol) vs float64 on the same (rounded) inputs: fp32 accumulates in fp32; bf16/fp16 round the output.
+TOL = {torch.float32: (3e-5, 1e-4), torch.bfloat16: (2e-2, 1e-2), torch.float16: (4e-3, 4e-3)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_kernel_builds():
+    """The kernel must build wherever `make` built the environments (g++ and ninja are part of the setup)."""
+    reason = cpu_kernel.unavailable_reason()
+    if reason is not None and "switched off" in reason:
+        pytest.skip(reason)
+    assert reason is None, reason
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernel():
+    if cpu_kernel.unavailable_reason() is not None:
+        pytest.skip(f"compiled CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
+
+
+def close(out, expected, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.to(torch.float64), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_and_dtypes_match_oracle(layout, dtype):
+    """Dense, serving and calibration on every layout and dtype: mixed prefill / decode / empty sequences."""
+    case = mixed_case(dtype=dtype, hq=6, hkv=2, d=64, page=16, layout=layout, seed=31)
+    dense, counts = run(case, "cpu")
+    assert counts is None
+    close(dense, dense_attention_f64(case), dtype)
+    lam = torch.tensor([quantile_lambda(case, b, 0.5) for b in range(case.batch)])
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts)
+    assert (counts[[0, 1], 0, 1] > 0).all(), "the case must skip tiles in prefill and decode"
+    close(out, ref.out, dtype)
+    trials = safe_lambdas(case, torch.tensor([1e-3, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    out_cal, cal = run(case, "cpu", trials=trials)
+    assert torch.equal(cal, oracle(case, log_lams_tensor(trials, case.batch), calibrate=True).counts)
+    assert torch.equal(out_cal, dense), "calibration output is the dense output"
+
+
+@pytest.mark.parametrize(
+    "page,hq,hkv,d",
+    [(16, 9, 3, 64), (32, 8, 1, 64), (128, 4, 2, 32), (5, 6, 2, 32), (24, 7, 7, 80), (64, 12, 4, 24)],
+    ids=["p16-gqa3", "p32-mqa8", "p128", "p5", "p24-mha-d80", "p64-d24"],
+)
+@pytest.mark.parametrize("layout", ["cpu_t", "nhd"])
+def test_page_sizes_and_head_groups(page, hq, hkv, d, layout):
+    """In-place K (page a multiple of 16, keys contiguous) and repacked K, group sizes that leave micro-kernel
+    tails, head sizes that are not a multiple of 16."""
+    case = make_case([150, 1, 1, 9], [150, 2100, 33, 200], hq=hq, hkv=hkv, d=d, page=page, layout=layout, seed=32)
+    lam = torch.tensor([quantile_lambda(case, b, 0.6) for b in range(case.batch)])
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0
+    close(out, ref.out, torch.float32)
+    dense, _ = run(case, "cpu")
+    close(dense, dense_attention_f64(case), torch.float32)
+
+
+def test_matches_reference_with_the_length_law():
+    """Against the reference through the public API with the per-row law (prefill and decode phases, γ != 0)."""
+    case = make_case([120, 1, 37, 1], [120, 700, 300, 64], hq=6, hkv=3, d=64, page=32, layout="cpu_t", seed=33)
+    prompts = [120, 500, 280, 63]  # sequences 1 and 2 hold decode rows (spec-decode style for 2)
+    kw = dict(
+        log_scale_factors=torch.tensor([[math.log(0.2 * 120), math.log(0.1 * 500)]] * 4),
+        length_exponents=torch.tensor([1.0, 0.8]),
+        prompt_lens=torch.tensor(prompts, dtype=torch.int32),
+    )
+    law = (kw["log_scale_factors"].unsqueeze(1), kw["length_exponents"].expand(4, 2), prompts)
+    expected = oracle(case, None, law=law)
+    ours, c_ours = run(case, "cpu", counts=True, **kw)
+    ref, c_ref = run(case, "torch", counts=True, **kw)
+    assert torch.equal(c_ours, c_ref) and torch.equal(c_ours, expected.counts) and c_ours[..., 1].sum() > 0
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    close(ours, expected.out, torch.float32)
+
+
+def test_dense_thresholds_and_counts_without_threshold():
+    case = mixed_case(seed=34, hq=2, hkv=1)
+    dense, _ = run(case, "cpu")
+    visited = oracle(case, log_lams_tensor(0.0, case.batch)).counts[..., 0]
+    out, counts = run(case, "cpu", skip_threshold=torch.tensor([1.0, 1.5, 0.0, -0.3, math.nan, math.inf]), counts=True)
+    assert torch.equal(out, dense) and (counts[..., 1] == 0).all() and torch.equal(counts[..., 0], visited)
+    out, counts = run(case, "cpu", counts=True)
+    assert torch.equal(out, dense) and (counts[..., 1] == 0).all() and torch.equal(counts[..., 0], visited)
+
+
+def test_calibration_counts_equal_serving_counts():
+    case = mixed_case(seed=35, hq=4, hkv=2, layout="cpu_t")
+    lams = safe_lambdas(case, torch.tensor([1e-2, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    _, cal = run(case, "cpu", trials=lams)
+    for t in range(lams.shape[1]):
+        _, served = run(case, "cpu", skip_threshold=lams[:, t].contiguous(), counts=True)
+        assert torch.equal(served[:, 0], cal[:, t]), f"trial {t}"
+
+
+def test_batch_and_thread_invariance():
+    """A sequence's rows are bitwise the same alone or batched, and with 1 or 2 threads."""
+    case = mixed_case(seed=36, hq=3, hkv=1, page=32, layout="cpu_t")
+    lam = safe_lambdas(case, torch.tensor([0.05, 0.1, 0.3, 0.02, 0.5, 0.08]))
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    for b in range(case.batch):
+        o_b, c_b = run(case.subset(b), "cpu", skip_threshold=lam[b : b + 1], counts=True)
+        q0, q1 = int(case.cu_seqlens_q[b]), int(case.cu_seqlens_q[b + 1])
+        assert torch.equal(o_b, out[q0:q1]) and torch.equal(c_b[0], counts[b]), f"sequence {b}"
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    out2, counts2 = run(case, "cpu", skip_threshold=lam, counts=True)
+    assert torch.equal(out2, out) and torch.equal(counts2, counts)
+
+
+def test_empty_and_one_token_sequences():
+    case = make_case([0, 1, 0, 1], [0, 1, 5, 9], seed=37)
+    out, counts = run(case, "cpu", skip_threshold=0.5, counts=True)
+    assert counts[[0, 2]].eq(0).all() and counts[1].tolist() == [[4, 0]] and counts[3].tolist() == [[4, 0]]
+    close(out, dense_attention_f64(case), torch.float32)
+    empty = make_case([0, 0], [3, 0], seed=38)
+    out, counts = run(empty, "cpu", skip_threshold=0.5, counts=True)
+    assert out.shape[0] == 0 and (counts == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_key_splits_use_the_anchor(dtype):
+    """Decode rows past 2048 keys run as parallel key splits merged at the end: same decisions and output."""
+    kv = 2 * SPLIT_TOKENS + 300
+    case = make_case([1, 1, 3], [kv, SPLIT_TOKENS + 1, kv], hq=4, hkv=2, d=64, page=128, layout="cpu_t",
+                     dtype=dtype, seed=39)  # fmt: skip
+    lam = torch.tensor([quantile_lambda(case, b, 0.5) for b in range(case.batch)])
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts) and (counts[:, 0, 1] > 0).all()
+    close(out, ref.out, dtype)
+    dense, _ = run(case, "cpu")
+    close(dense, dense_attention_f64(case), dtype)
+
+
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "batched"])
+def test_rows_do_not_depend_on_chunking(others):
+    """A prompt whole or in chunks (one of them a single token), alone or batched: same rows, same counts."""
+    prompt = 300
+    q_lens, kv_lens = ([prompt + 1, 1, 40], [prompt + 1, 120, 40]) if others else ([prompt + 1], [prompt + 1])
+    case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=16, layout="cpu_t", seed=40)
+    prompts = [prompt, *(kv - 1 if ql == 1 else kv for ql, kv in zip(q_lens[1:], kv_lens[1:], strict=True))]
+    log_sf, gamma = [math.log(0.12 * prompt), math.log(0.1 * prompt)], [1.0, 1.0]
+    whole = chunk_of(case, 0, prompt)
+    out_whole, c_whole = run(whole, "cpu", counts=True, **law_kwargs(whole, log_sf, gamma, prompts))
+    expected = law_oracle(whole, log_sf, gamma, prompts)
+    assert torch.equal(c_whole, expected.counts) and c_whole[0, 0, 1] > 0
+    assert_close64(out_whole, expected.out, torch.float32)
+    total = torch.zeros_like(c_whole[0])
+    cuts = [0, 100, 101, 250, prompt]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        part = chunk_of(case, a, b)
+        o, c = run(part, "cpu", counts=True, **law_kwargs(part, log_sf, gamma, prompts))
+        torch.testing.assert_close(o[: b - a], out_whole[a:b], atol=2e-6, rtol=1e-5)
+        total += c[0]
+    assert torch.equal(total, c_whole[0])
+    step = chunk_of(case, prompt, prompt + 1)
+    o_step, c = run(step, "cpu", counts=True, **law_kwargs(step, log_sf, gamma, prompts))
+    assert torch.equal(c, law_oracle(step, log_sf, gamma, prompts).counts)
+    tail = chunk_of(case, 250, prompt + 1)
+    o_tail, _ = run(tail, "cpu", **law_kwargs(tail, log_sf, gamma, prompts))
+    torch.testing.assert_close(o_tail[prompt - 250 :], o_step, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["cpu_t", "nhd", "hnd5"])
+@pytest.mark.parametrize("page", [16, 32, 128, 7])
+def test_stale_nan_inf_past_kv_len_never_reaches_outputs(layout, page):
+    """Slots past kv_len hold NaN/inf, pages past the sequence too, and the block table past a sequence's pages
+    points anywhere (even outside the cache): nothing of it may reach an output or a count."""
+    q_lens, kv_lens = [70, 1, 2, 1], [130, 65, 40, 2200]
+    case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=page, layout=layout, seed=41)
+    clean = oracle(case, log_lams_tensor(0.05, case.batch))
+    used = set()
+    for b, kv in enumerate(kv_lens):
+        used |= set(case.block_table[b, : math.ceil(kv / page)].tolist())
+    for b, kv in enumerate(kv_lens):
+        n_pages = math.ceil(kv / page)
+        last = int(case.block_table[b, n_pages - 1])
+        case.k_cache[last, kv % page or page :] = math.inf
+        case.v_cache[last, kv % page or page :] = math.nan
+        case.k_cache[last, (kv + 1) % page or page :] = -math.nan if kv % 2 else math.nan
+        for junk in case.block_table[b, n_pages:].tolist():
+            if junk not in used:
+                case.k_cache[junk] = math.nan
+                case.v_cache[junk] = math.inf
+        case.block_table[b, n_pages:] = 10**6  # never dereferenced
+    lam = safe_lambdas(case, torch.full((case.batch,), 0.05))
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts) and torch.equal(counts[..., 0], clean.counts[..., 0])
+    close(out, ref.out, torch.float32)
+    dense, _ = run(case, "cpu")
+    close(dense, dense_attention_f64(case), torch.float32)
+
+
+def test_strided_queries_and_output():
+    """q as a view into packed QKV and `out` a strided view: only rows < total_q and the view's columns change."""
+    case = make_case([65, 1], [100, 20], hq=4, hkv=2, d=32, layout="cpu_t", seed=42)
+    total_q = case.q.shape[0]
+    qkv = torch.randn(total_q, 8, 32)
+    qkv[:, :4] = case.q
+    q = qkv[:, :4]
+    big = torch.full((total_q + 2, 4, 64), math.nan)
+    out = big[..., 16:48]
+    lam = safe_lambdas(case, torch.tensor([0.2, 0.2]))
+    _, counts = api.paged_skip_softmax_attention(
+        q, case.k_cache, case.v_cache, case.block_table, case.cu_seqlens_q, case.seq_lens_k,
+        softmax_scale=case.scale, skip_threshold=lam, return_skip_counts=True, out=out, backend="cpu",
+    )  # fmt: skip
+    ref = oracle(case, log_lams_tensor(lam, 2))
+    assert torch.equal(counts, ref.counts)
+    close(out[:total_q], ref.out, torch.float32)
+    assert torch.isnan(big[total_q:]).all() and torch.isnan(big[:, :, :16]).all() and torch.isnan(big[:, :, 48:]).all()
+
+
+def test_block_table_entry_outside_the_cache_is_an_error():
+    case = make_case([3], [40], page=16, seed=43)
+    case.block_table[0, 1] = case.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run(case, "cpu")
+    case = make_case([5], [5], seed=44)
+    case.seq_lens_k[0] = 3
+    with pytest.raises(RuntimeError, match="must include"):
+        run(case, "cpu")
+
+
+def test_auto_dispatch(caplog):
+    """auto takes the compiled kernel for CPU fp32/bf16/fp16, the reference for float64 (reason logged once);
+    backend='cpu' refuses float64 with the fix named."""
+    for dtype in DTYPES:
+        case = make_case([3], [3], dtype=dtype, seed=45)
+        assert api._resolve_backend("auto", case.q, case.k_cache) == "cpu"
+    case = make_case([3], [3], dtype=torch.float64, seed=46)
+    api._warn_cpu_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=api.__name__):
+        for _ in range(3):
+            assert api._resolve_backend("auto", case.q, case.k_cache) == "torch"
+            run(case, "auto")
+    warnings = [r for r in caplog.records if "using the PyTorch reference" in r.getMessage()]
+    assert len(warnings) == 1 and "float64" in warnings[0].getMessage()
+    with pytest.raises(RuntimeError, match="backend='auto' or 'torch'"):
+        run(case, "cpu")
