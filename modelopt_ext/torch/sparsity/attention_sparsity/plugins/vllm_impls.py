@@ -5,7 +5,9 @@ skippable tiles (calibrate), and the per-layer state they carry.
     FlashAttentionImpl      -> ModelOptSparseAttentionImpl
     CPUAttentionBackendImpl -> ModelOptSparseCPUAttentionImpl
 
-Each keeps the native impl's initialised state (it is cloned from it) and its K/V cache write path.
+Each keeps the native impl's initialised state (it is cloned from it) and its K/V cache write path. Its forward
+only runs kernels: the per-step plan comes from the sparse metadata builder (plugins/vllm_backends.py), and every
+reason it could not run was checked at install or when vLLM built the builder (plugins/vllm_install.py).
 """
 
 from __future__ import annotations
@@ -17,17 +19,16 @@ import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
 
-from .sparse_attn_config import SparseAttentionSettings
 from .vllm_compat import cpu_native_write_op, vllm_facts
+from .vllm_context import SparseAttentionContext
 from .vllm_kv_cache import (
-    CPU_KNOWN_ISAS,
     _cpu_attn_kv_cache_views,
     _flash_attn_kv_cache_views,
     _flashinfer_kv_cache_views,
     write_kv_cache,
     write_kv_through_views,
 )
-from .vllm_plan import PLAN_ATTR, SparsePlan, plan_from_backend_metadata
+from .vllm_plan import PLAN_ATTR, SparsePlan
 
 logger = logging.getLogger(__name__)
 
@@ -43,50 +44,29 @@ FlashInferImpl, FlashInferBackend = _native("flashinfer", "impl"), _native("flas
 FlashAttentionImpl, FlashAttentionBackend = _native("flash_attn", "impl"), _native("flash_attn", "backend")
 CPUAttentionBackendImpl, CPUAttentionBackend = _native("cpu_attn", "impl"), _native("cpu_attn", "backend")
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # Per-layer state
 
 
-@dataclass
+@dataclass(eq=False)
 class _LayerState:
-    """What one sparse impl needs besides the native state: settings, mode and its measurements."""
+    """What one sparse impl needs besides the native state: its engine's context, its cache facts, its counts."""
 
     layer_name: str
-    mode: str
-    settings: SparseAttentionSettings | None
-    kernel_backend: str
-    scale_factor_trials: tuple[float, ...]
-    track_sparsity: bool
-    writes_in_forward: bool
+    context: SparseAttentionContext
+    writes_in_forward: bool  # the backend's forward writes K/V itself (vLLM <= 0.16 FlashInfer)
     kv_first: bool | None = None  # FlashAttention 5D caches only
-    phase_counts: torch.Tensor | None = None  # [2 phases (prefill, decode), 2 (visited, skipped)] int64
-    records: list = field(default_factory=list)  # calibration: (counts [B,T,2], kv_lens [B], is_decode [B])
+    native_backend: type | None = None  # the layer's attn_backend before install (restored by uninstall)
+    isa: str | None = None  # CPU attention: the ISA the metadata builder chose (checked when it was built)
+    phase_counts: torch.Tensor | None = None  # [2 phases (prefill, decode), 2 (visited, skipped)] int64, in place
+    records: list = field(default_factory=list)  # calibration: (counts [B,T,2], law_lens [B], is_decode [B])
     kv_writes: int = 0
-    checked_isa: str | None = None
 
     @property
-    def scale_factors(self) -> tuple[float | None, float | None]:
-        s = self.settings
-        if s is None:
-            return None, None
-        return (s.prefill.scale_factor if s.prefill else None, s.decode.scale_factor if s.decode else None)
-
-    @property
-    def always_dense(self) -> bool:
-        return self.mode == "serve" and self.scale_factors == (None, None)
-
-    def same_config(self, other: _LayerState) -> bool:
-        keys = ("mode", "settings", "kernel_backend", "scale_factor_trials", "track_sparsity", "writes_in_forward")
-        return all(getattr(self, k) == getattr(other, k) for k in keys)
-
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(msg, *args)
+    def runs_sparse(self) -> bool:
+        """Whether forward runs the skip-softmax kernel (calibration, or serving with a calibrated phase)."""
+        return not self.context.serves_dense
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,6 +77,10 @@ class _SparseImplMixin:
     """Sparse forward and cache write shared by the three sparse impls (placed before the native impl in the MRO)."""
 
     _modelopt_native: type  # the native impl class
+
+    def fused_output_quant_supported(self, *args, **kwargs) -> bool:
+        """Never fuse output quantization into the sparse attention (vLLM then keeps the quant op separate)."""
+        return False
 
     # -- cache layout ---------------------------------------------------------------------------------------
     def _modelopt_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,35 +124,17 @@ class _SparseImplMixin:
             kwargs["output_block_scale"] = output_block_scale
         return self._modelopt_native.forward(self, layer, query, key, value, kv_cache, attn_metadata, **kwargs)
 
-    def _modelopt_plan(self, attn_metadata) -> SparsePlan:
-        return plan_from_backend_metadata(attn_metadata)
-
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None, output_block_scale=None
     ):
-        """Serving: skip tiles at each sequence's λ; calibration: dense output plus per-trial tile counts."""
+        """Serving: drop tiles per row at the row's λ; calibration: dense output plus per-trial tile counts."""
         state: _LayerState = getattr(self, _STATE_ATTR)
         native = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        if attn_metadata is None:  # profiling / warm-up run
+        if attn_metadata is None or not state.runs_sparse:  # profiling run, or no calibrated phase
             return self._modelopt_native_forward(*native)
-        if state.always_dense:
-            _log_once(
-                f"dense-{state.layer_name}",
-                "sparse attention: %s has no calibrated phase; running the native %s forward",
-                state.layer_name,
-                self._modelopt_native.__name__,
-            )
-            return self._modelopt_native_forward(*native)
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("sparse attention does not support fused output quantization")
-        plan = self._modelopt_plan(attn_metadata)
-        calibrate = state.mode == "calibrate"
-        if not calibrate and plan.is_dense(*state.scale_factors):
-            _log_once(
-                "dense-step",
-                "sparse attention: steps where every sequence has λ >= 1 run the native "
-                "attention forward (logged once)",
-            )
+        plan: SparsePlan = getattr(attn_metadata, PLAN_ATTR)  # the sparse builder always attaches one
+        calibrate = state.context.calibrating
+        if plan.dense:  # no row can drop a tile this step (a host decision made in build)
             return self._modelopt_native_forward(*native)
 
         if (
@@ -193,41 +159,32 @@ class _SparseImplMixin:
         common = {
             "softmax_scale": self.scale,
             "out": out3,
-            "backend": state.kernel_backend,
+            "backend": state.context.kernel_backend,
             "max_seqlen_k": plan.max_seq_len,
+            "length_exponents": plan.length_exponents,
+            "prompt_lens": plan.prompt_lens,
         }
         if calibrate:
             _, counts = paged_skip_softmax_attention(
-                *args, threshold_trials=plan.trial_thresholds(state.scale_factor_trials), **common
+                *args, log_scale_factors=plan.trial_log_scale_factors, **common
             )
-            kv_lens, is_decode = _record_keys(plan)
-            state.records.append((counts, kv_lens, is_decode))
+            law_lens, is_decode = plan.record_keys()
+            state.records.append((counts, law_lens, is_decode))
         else:
+            track = state.context.track_sparsity
             result = paged_skip_softmax_attention(
-                *args,
-                skip_threshold=plan.thresholds(*state.scale_factors),
-                return_skip_counts=state.track_sparsity,
-                **common,
+                *args, log_scale_factors=plan.log_scale_factors, return_skip_counts=track, **common
             )
-            if state.track_sparsity:
-                _accumulate(state, result[1][:, 0, :], plan.is_decode())
+            if track:
+                _accumulate(state, result[1][:, 0, :], plan.phase_index)
         return output
 
 
-def _record_keys(plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_lens and phases of this step, copied once per step (vLLM reuses its buffers) and shared by layers."""
-    keys = plan._cache.get("record_keys")
-    if keys is None:
-        keys = (plan.seq_lens.clone(), plan.is_decode().clone())
-        plan._cache["record_keys"] = keys
-    return keys
-
-
-def _accumulate(state: _LayerState, counts: torch.Tensor, is_decode: torch.Tensor) -> None:
-    """Add [B, 2] serving counts into per-phase totals on the device (no host sync)."""
-    dec = is_decode.to(counts.dtype).unsqueeze(1)
-    step = torch.stack([(counts * (1 - dec)).sum(0), (counts * dec).sum(0)])
-    state.phase_counts = step if state.phase_counts is None else state.phase_counts + step
+def _accumulate(state: _LayerState, counts: torch.Tensor, phase_index: torch.Tensor) -> None:
+    """Add [B, 2] serving counts into the layer's per-phase totals, in place on the device (no host sync)."""
+    if state.phase_counts is None or state.phase_counts.device != counts.device:
+        state.phase_counts = torch.zeros(2, 2, dtype=torch.int64, device=counts.device)
+    state.phase_counts.index_add_(0, phase_index.to(counts.device), counts.to(torch.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,16 +200,6 @@ if FlashInferImpl is not None:
 
         def _modelopt_views(self, layer, kv_cache):
             return _flashinfer_kv_cache_views(kv_cache, self.head_size)
-
-        def _modelopt_plan(self, attn_metadata):
-            plan = getattr(attn_metadata, PLAN_ATTR, None)
-            if plan is None:
-                raise RuntimeError(
-                    "FlashInfer metadata carries no sparse plan: FlashInferMetadataBuilder.build is not wrapped in "
-                    "this process. Call install_sparse_attention (or wrap_flashinfer_metadata_builder) in the worker "
-                    "process before the first step."
-                )
-            return plan
 else:  # pragma: no cover - depends on the installed vLLM
     ModelOptSparseFlashInferImpl = None
 
@@ -269,6 +216,7 @@ if FlashAttentionImpl is not None:
 else:  # pragma: no cover
     ModelOptSparseAttentionImpl = None
 
+
 if CPUAttentionBackendImpl is not None:
 
     class ModelOptSparseCPUAttentionImpl(_SparseImplMixin, CPUAttentionBackendImpl):
@@ -277,31 +225,14 @@ if CPUAttentionBackendImpl is not None:
         _modelopt_native = CPUAttentionBackendImpl
 
         def _modelopt_views(self, layer, kv_cache):
-            state = getattr(self, _STATE_ATTR)
-            isa = getattr(layer, "isa", None) or getattr(self, "isa", None)
-            if isa != state.checked_isa:
-                if isa is None:
-                    raise RuntimeError(
-                        f"layer {state.layer_name} has no CPU attention ISA yet (vLLM's CPU metadata builder sets "
-                        "layer.isa); the sparse CPU impl cannot tell the cache layout"
-                    )
-                if isa not in CPU_KNOWN_ISAS:
-                    raise ValueError(
-                        f"layer {state.layer_name}: CPU attention ISA {isa!r} is not supported "
-                        f"(supported: {CPU_KNOWN_ISAS})"
-                    )
-                state.checked_isa = isa
+            # The ISA (hence the cache layout) was checked when the sparse CPU builder chose it for this layer.
+            isa = getattr(self, _STATE_ATTR).isa or getattr(layer, "isa", None)
             return _cpu_attn_kv_cache_views(kv_cache, self.head_size, isa)
 
         def _modelopt_write(self, layer, key, value, kv_cache, slot_mapping):
             if cpu_native_write_op() is not None:
                 CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
                 return
-            _log_once(
-                "cpu-write",
-                "torch.ops._C.cpu_attn_reshape_and_cache is unavailable; writing the CPU KV "
-                "cache (transposed K) with the torch equivalent",
-            )
             k_view, v_view = self._modelopt_views(layer, kv_cache)
             write_kv_through_views(key, value, k_view, v_view, slot_mapping)
 else:  # pragma: no cover
@@ -328,3 +259,7 @@ _BACKEND_BY_NATIVE = {
     if native is not None
 }
 
+
+def layer_state(layer) -> _LayerState | None:
+    """The sparse state of a vLLM attention layer, or None when its impl is native."""
+    return getattr(layer.impl, _STATE_ATTR, None) if isinstance(layer.impl, _SPARSE_CLASSES) else None

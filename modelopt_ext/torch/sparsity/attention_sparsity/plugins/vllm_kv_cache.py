@@ -118,7 +118,7 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
     return k, v
 
 
-def _native_flash_cache_write_op():
+def native_flash_cache_write_op():
     """vLLM's `reshape_and_cache_flash` custom op when this process has it (CUDA builds), else None."""
     ns = getattr(torch.ops, "_C_cache_ops", None)
     try:
@@ -164,22 +164,9 @@ def write_kv_cache(
     v_scale: torch.Tensor | None,
 ) -> None:
     """One K/V cache write through the views: vLLM's custom op when present, else the torch equivalent."""
-    op = _native_flash_cache_write_op()
+    op = native_flash_cache_write_op()
     if op is not None:
         op(key, value, k_view, v_view, slot_mapping, kv_cache_dtype, k_scale, v_scale)
         return
-    _log_fallback_once()
     write_kv_through_views(key, value, k_view, v_view, slot_mapping)
 
-
-_FALLBACK_LOGGED = False
-
-
-def _log_fallback_once() -> None:
-    global _FALLBACK_LOGGED
-    if not _FALLBACK_LOGGED:
-        _FALLBACK_LOGGED = True
-        logger.info(
-            "torch.ops._C_cache_ops.reshape_and_cache_flash is unavailable in this process; "
-            "writing K/V into the paged cache with the torch equivalent"
-        )

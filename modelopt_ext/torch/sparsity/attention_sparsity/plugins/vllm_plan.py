@@ -1,19 +1,34 @@
-"""Per-step sparse-attention plan: what every sparse layer of a batch needs, derived once per step.
+"""The per-step sparse plan: what every sparse layer of a step needs, prepared once by the metadata builder.
 
-FlashInfer's metadata has carried no block table or sequence lengths since vLLM 0.14.1, so the plugin wraps
-`FlashInferMetadataBuilder.build` (once, idempotently) and attaches a `SparsePlan` built from the
-`CommonAttentionMetadata`. FlashAttention and CPU-attention metadata carry those tensors themselves; their plan is
-built from the metadata at the first sparse layer of the step and cached on it. Per-sequence λ tensors are
-computed on the device, once per step and settings, without any host synchronisation.
+A sparse backend's metadata builder (plugins/vllm_backends.py) owns one `SparsePlanner` and, in `build`, attaches a
+`SparsePlan` to the metadata it returns (attribute `PLAN_ATTR`). Each layer's forward then only runs the kernel
+with the plan's tensors: no host synchronisation and no per-layer planning in `forward`.
+
+What the kernel gets per sequence (docs/skip_softmax.md, version 2):
+
+- `prompt_lens` [B] int32: the request's prompt length (plugins/vllm_prompt_lens.py says where it comes from; the
+  kernel's default rule where vLLM does not expose it). A row at `pos < prompt_len` is a prefill row.
+- serving: `log_scale_factors` [B, 2] float32 = (c_prefill, c_decode), c = ln a + b·target (-inf: dense phase), and
+  `length_exponents` [B, 2] = (γ_prefill, γ_decode); ln λ_row = c - γ·ln(n).
+- calibration: `log_scale_factors` [B, T, 2] = ln sf_t for both phases, `length_exponents` = 1: dense output and
+  counts [B, T, 2] per trial.
+- per sequence, for statistics and calibration records: its phase (decode iff its first new row is at or past
+  `prompt_len`) and the law's length n (`prompt_len` for a prefill sequence, `kv_len` for a decode one).
+
+CUDA graphs. Every tensor above is a view of a persistent buffer sized by `max_num_seqs` and allocated when the
+builder is created; `build` writes into them in place (host prompt lengths through a pinned staging buffer and one
+non-blocking copy; phases and lengths by device ops). The law buffers depend only on the settings and are rewritten
+only when the settings change. So a captured full decode graph would read the current step's values at replay;
+what a GPU must confirm before the builders declare full-graph support is listed in docs/vllm_matrix.md.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -21,202 +36,151 @@ logger = logging.getLogger(__name__)
 PLAN_ATTR = "modelopt_sparse_plan"
 """Attribute name of the `SparsePlan` on a vLLM attention-metadata object."""
 
-_WRAPPED_MARK = "__modelopt_sparse_wrapped__"
 
-# Scale-factor pairs (prefill, decode) and trial tuples of the installed layers: the builder wrapper plans their λ.
-_REGISTERED_SERVING: set[tuple[float | None, float | None]] = set()
-_REGISTERED_TRIALS: set[tuple[float, ...]] = set()
-
-
-def _dense_factor(sf: float | None) -> bool:
-    """A phase scale factor that can never give 0 < λ < 1: no calibration, non-positive or not finite."""
-    return sf is None or not (sf > 0.0 and math.isfinite(sf))
-
-
-@dataclass
+@dataclasses.dataclass(eq=False)
 class SparsePlan:
-    """Batch tensors of one step (sliced to the real requests) and the λ tensors derived from them."""
+    """Tensors of one step, sliced to its B sequences (views of the planner's persistent buffers)."""
 
     num_reqs: int
     block_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32, new tokens included
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
-    max_seq_len: int
-    num_decodes: int | None = None  # host hint when the backend split the batch (FlashInfer)
-    num_prefills: int | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
+    max_seq_len: int  # host bound on seq_lens (the kernel's split-K workspace hint)
+    prompt_lens: torch.Tensor  # [B] int32
+    is_decode: torch.Tensor  # [B] bool: the sequence's first new row is at or past its prompt length
+    phase_index: torch.Tensor  # [B] int64: 0 prefill, 1 decode (same as is_decode)
+    law_lens: torch.Tensor  # [B] int64: n of the law (prompt_len for prefill sequences, kv_len for decode)
+    log_scale_factors: torch.Tensor | None = None  # serve: [B, 2] float32
+    length_exponents: torch.Tensor | None = None  # [B, 2] float32
+    trial_log_scale_factors: torch.Tensor | None = None  # calibrate: [B, T, 2] float32
+    dense: bool = False  # serve: no row of this step can drop a tile (decided on the host)
+    prompt_lens_from: str = "kernel default"  # where prompt_lens came from this step
+    _record_keys: tuple | None = dataclasses.field(default=None, repr=False)
 
-    @classmethod
-    def from_tensors(
-        cls,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        max_seq_len,
-        num_reqs=None,
-        num_decodes=None,
-        num_prefills=None,
-    ) -> SparsePlan:
-        b = int(seq_lens.shape[0]) if num_reqs is None else int(num_reqs)
-        return cls(
+    def record_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(law lengths, is_decode) of this step, copied once (the buffers are reused next step), shared by layers."""
+        if self._record_keys is None:
+            self._record_keys = (self.law_lens.clone(), self.is_decode.clone())
+        return self._record_keys
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return t.pin_memory() if torch.cuda.is_available() else t
+    except RuntimeError:  # pragma: no cover - no pinnable memory
+        return t
+
+
+class SparsePlanner:
+    """Persistent plan buffers of one metadata builder, and the per-step `plan()` that fills them."""
+
+    def __init__(self, max_num_seqs: int, device) -> None:
+        self.device = torch.device(device)
+        self.capacity = 0
+        self._law_key = None
+        self._trial_key = None
+        self._allocate(max(1, int(max_num_seqs)))
+
+    def _allocate(self, capacity: int) -> None:
+        dev = self.device
+        self.capacity = capacity
+        self.prompt_lens = torch.zeros(capacity, dtype=torch.int32, device=dev)
+        self.is_decode = torch.zeros(capacity, dtype=torch.bool, device=dev)
+        self.phase_index = torch.zeros(capacity, dtype=torch.int64, device=dev)
+        self.law_lens = torch.zeros(capacity, dtype=torch.int64, device=dev)
+        self.log_scale_factors = torch.full((capacity, 2), -math.inf, dtype=torch.float32, device=dev)
+        self.length_exponents = torch.ones(capacity, 2, dtype=torch.float32, device=dev)
+        self.trial_log_scale_factors = None
+        self._host_prompt_lens = _pin(torch.zeros(capacity, dtype=torch.int32))
+        self._law_key = self._trial_key = None
+
+    def _ensure_capacity(self, num_reqs: int) -> None:
+        if num_reqs > self.capacity:  # vLLM never exceeds max_num_seqs; tests and direct use might
+            logger.warning("sparse plan: %d sequences > max_num_seqs %d; growing the plan buffers (new addresses)",
+                           num_reqs, self.capacity)
+            self._allocate(max(num_reqs, 2 * self.capacity))
+
+    def _refresh_law(self, context) -> None:
+        key = (id(context), context.version)
+        if context.calibrating:
+            if self._trial_key != key:
+                log_sf = torch.tensor(context.trial_log_scale_factors(), dtype=torch.float32)
+                table = log_sf[None, :, None].expand(self.capacity, -1, 2)
+                self.trial_log_scale_factors = table.contiguous().to(self.device)
+                self.length_exponents.fill_(1.0)
+                self._trial_key = key
+                self._law_key = None
+        elif self._law_key != key:
+            (c_pre, c_dec), (g_pre, g_dec) = context.law()
+            self.log_scale_factors[:, 0] = c_pre
+            self.log_scale_factors[:, 1] = c_dec
+            self.length_exponents[:, 0] = g_pre
+            self.length_exponents[:, 1] = g_dec
+            self._law_key = key
+            self._trial_key = None
+
+    def plan(self, context, common_attn_metadata) -> SparsePlan:
+        """Fill the buffers for this step from vLLM's `CommonAttentionMetadata` and the engine's context."""
+        cam = common_attn_metadata
+        b = int(cam.num_reqs)
+        self._ensure_capacity(b)
+        self._refresh_law(context)
+        seq_lens = cam.seq_lens[:b]
+        qsl = cam.query_start_loc[: b + 1]
+        q_lens = qsl[1:] - qsl[:-1]
+
+        host = context.prompt_lens(cam) if context.prompt_lens is not None else None
+        prompt = self.prompt_lens[:b]
+        if host is not None:
+            staging = self._host_prompt_lens[:b]
+            staging.copy_(torch.from_numpy(np.ascontiguousarray(host[:b], dtype=np.int32)))
+            prompt.copy_(staging, non_blocking=True)
+            source = context.prompt_lens.name if hasattr(context.prompt_lens, "name") else "runner"
+            longest_prompt = int(host[:b].max()) if b else 0
+        else:  # the kernel's default (docs/skip_softmax.md): q_len == 1 decodes, longer queries are all prompt
+            prompt.copy_(torch.where(q_lens == 1, seq_lens - 1, seq_lens))
+            source, longest_prompt = "kernel default", 0
+        decode = self.is_decode[:b]
+        torch.ge(seq_lens - q_lens, prompt, out=decode)
+        self.phase_index[:b].copy_(decode)
+        self.law_lens[:b].copy_(torch.where(decode, seq_lens, prompt))
+
+        max_seq_len = int(cam.max_seq_len)
+        plan = SparsePlan(
             num_reqs=b,
-            block_table=block_table[:b].to(torch.int32),
-            seq_lens=seq_lens[:b].to(torch.int32),
-            query_start_loc=query_start_loc[: b + 1].to(torch.int32),
-            max_query_len=int(max_query_len),
-            max_seq_len=int(max_seq_len),
-            num_decodes=num_decodes,
-            num_prefills=num_prefills,
+            block_table=cam.block_table_tensor[:b],
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            max_query_len=int(cam.max_query_len),
+            max_seq_len=max_seq_len,
+            prompt_lens=prompt,
+            is_decode=decode,
+            phase_index=self.phase_index[:b],
+            law_lens=self.law_lens[:b],
+            length_exponents=self.length_exponents[:b],
+            prompt_lens_from=source,
         )
-
-    def is_decode(self) -> torch.Tensor:
-        """[B] bool: decode iff q_len == 1 (docs/skip_softmax.md)."""
-        if "is_decode" not in self._cache:
-            q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-            self._cache["is_decode"] = q_lens == 1
-        return self._cache["is_decode"]
-
-    def phases_present(self) -> tuple[bool, bool]:
-        """(prefill possible, decode possible) from host values only.
-
-        Prefill (q_len > 1) exists iff max_query_len > 1. The backend's decode count covers every q_len <= its
-        reorder threshold (spec decode may count q_len > 1 as decode), so it only proves decode absent when 0.
-        """
-        prefill = self.max_query_len > 1
-        decode = True if self.num_decodes is None else self.num_decodes > 0
-        return prefill, decode
-
-    def is_dense(self, sf_prefill: float | None, sf_decode: float | None) -> bool:
-        """True when λ = sf / kv_len is dense (>= 1 or no calibration) for every sequence, decided on the host."""
-        prefill, decode = self.phases_present()
-        for present, sf in ((prefill, sf_prefill), (decode, sf_decode)):
-            if present and not _dense_factor(sf) and sf < self.max_seq_len:
-                return False
-        return True
-
-    def thresholds(self, sf_prefill: float | None, sf_decode: float | None) -> torch.Tensor:
-        """[B] float32 λ per sequence: its phase's scale factor / kv_len (inf, i.e. dense, without calibration)."""
-        key = ("serve", sf_prefill, sf_decode)
-        lam = self._cache.get(key)
-        if lam is None:
-            pre = math.inf if _dense_factor(sf_prefill) else float(sf_prefill)
-            dec = math.inf if _dense_factor(sf_decode) else float(sf_decode)
-            sf = torch.where(self.is_decode(), dec, pre).to(torch.float32)
-            lam = sf / self.seq_lens.clamp_min(1).to(torch.float32)
-            self._cache[key] = lam
-        return lam
-
-    def trial_thresholds(self, scale_factors: tuple[float, ...]) -> torch.Tensor:
-        """[B, T] float32 λ for calibration trials given as scale factors: λ[b, t] = sf_t / kv_len[b]."""
-        key = ("trials", tuple(scale_factors))
-        lam = self._cache.get(key)
-        if lam is None:
-            sf = torch.tensor(list(scale_factors), dtype=torch.float32).to(self.seq_lens.device, non_blocking=True)
-            lam = sf.unsqueeze(0) / self.seq_lens.clamp_min(1).to(torch.float32).unsqueeze(1)
-            self._cache[key] = lam
-        return lam
-
-    def precompute(self) -> None:
-        """Plan λ for every registered setting, so layers only run kernels."""
-        for sf_prefill, sf_decode in _REGISTERED_SERVING:
-            if not self.is_dense(sf_prefill, sf_decode):
-                self.thresholds(sf_prefill, sf_decode)
-        for trials in _REGISTERED_TRIALS:
-            self.trial_thresholds(trials)
-
-
-def register_plan_settings(
-    serving: tuple[float | None, float | None] | None = None, trials: tuple[float, ...] | None = None
-) -> None:
-    """Let the builder wrapper precompute λ for these settings (install calls this; the latest install wins,
-    other settings are still planned lazily, once per step, by the first layer that needs them)."""
-    if serving is not None:
-        _REGISTERED_SERVING.clear()
-        _REGISTERED_SERVING.add(serving)
-    if trials is not None:
-        _REGISTERED_TRIALS.clear()
-        _REGISTERED_TRIALS.add(tuple(trials))
-
-
-def plan_from_common_metadata(common_attn_metadata, metadata=None) -> SparsePlan:
-    """Plan from vLLM's `CommonAttentionMetadata` (fields present since 0.10.2)."""
-    cam = common_attn_metadata
-    plan = SparsePlan.from_tensors(
-        cam.block_table_tensor,
-        cam.seq_lens,
-        cam.query_start_loc,
-        cam.max_query_len,
-        cam.max_seq_len,
-        num_reqs=cam.num_reqs,
-        num_decodes=getattr(metadata, "num_decodes", None),
-        num_prefills=getattr(metadata, "num_prefills", None),
-    )
-    plan.precompute()
-    return plan
-
-
-def plan_from_backend_metadata(metadata) -> SparsePlan:
-    """Plan of a FlashAttention / CPU-attention metadata object, built once per step and cached on it."""
-    plan = getattr(metadata, PLAN_ATTR, None)
-    if plan is not None:
+        if context.calibrating:
+            plan.trial_log_scale_factors = self.trial_log_scale_factors[:b]
+        else:
+            plan.log_scale_factors = self.log_scale_factors[:b]
+            plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))
         return plan
-    block_table = getattr(metadata, "block_table", None)
-    if block_table is None:
-        block_table = getattr(metadata, "block_table_tensor", None)
-    missing = [n for n in ("seq_lens", "query_start_loc", "max_query_len", "max_seq_len") if not hasattr(metadata, n)]
-    if block_table is None or missing:
-        raise RuntimeError(
-            f"{type(metadata).__name__} carries no block table / {missing}: this vLLM version's metadata is not "
-            "supported by the sparse plugin"
-        )
-    plan = SparsePlan.from_tensors(
-        block_table, metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len, metadata.max_seq_len
-    )
-    plan.precompute()
-    setattr(metadata, PLAN_ATTR, plan)
-    return plan
 
 
-def _common_metadata_argument(args: tuple, kwargs: dict):
-    """`common_attn_metadata` of a `build(common_prefix_len, common_attn_metadata, ...)` call, any call style."""
-    if "common_attn_metadata" in kwargs:
-        return kwargs["common_attn_metadata"]
-    if len(args) >= 2:
-        return args[1]
-    raise TypeError("build() called without common_attn_metadata (positional index 1 or keyword)")
+def step_is_dense(law, longest: int) -> bool:
+    """True when no row of a step can drop a tile: every phase has ln λ >= 0 at every length n <= `longest`.
 
-
-def wrap_metadata_builder(builder_cls) -> bool:
-    """Wrap `builder_cls.build` so its metadata carries a `SparsePlan`. Returns False when already wrapped.
-
-    Accepts `common_attn_metadata` by position (vLLM 0.32+ `AttentionGroup.build_metadata`) and by keyword
-    (older runners, `build_for_cudagraph_capture`). The original method stays reachable as `__wrapped__`.
+    ln λ = c - γ·ln(n) is smallest at n = longest for γ > 0 and at n = 1 for γ <= 0; a dense phase has c = -inf.
+    A host decision from host values only (the step's longest sequence or prompt).
     """
-    original = builder_cls.__dict__.get("build")
-    if original is None:
-        raise TypeError(f"{builder_cls.__name__} defines no build(); cannot attach the sparse plan")
-    if getattr(original, _WRAPPED_MARK, False):
-        return False
-
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        metadata = original(self, *args, **kwargs)
-        cam = _common_metadata_argument(args, kwargs)
-        setattr(metadata, PLAN_ATTR, plan_from_common_metadata(cam, metadata))
-        return metadata
-
-    setattr(build, _WRAPPED_MARK, True)
-    builder_cls.build = build
-    logger.info("wrapped %s.build to attach the sparse-attention plan", builder_cls.__name__)
-    return True
-
-
-def unwrap_metadata_builder(builder_cls) -> bool:
-    """Undo `wrap_metadata_builder`; returns False when it was not wrapped."""
-    current = builder_cls.__dict__.get("build")
-    if current is None or not getattr(current, _WRAPPED_MARK, False):
-        return False
-    builder_cls.build = current.__wrapped__
+    (c_pre, c_dec), (g_pre, g_dec) = law
+    n = max(int(longest), 1)
+    for c, g in ((c_pre, g_pre), (c_dec, g_dec)):
+        if not math.isfinite(c):
+            continue
+        lowest = c - g * math.log(n) if g > 0 else c
+        if lowest < 0:
+            return False
     return True

@@ -1,39 +1,47 @@
-"""Measurements of the sparse impls: realized serving sparsity per layer and phase, calibration records."""
+"""Measurements of the sparse impls: realized serving sparsity per layer and phase, calibration records.
+
+Counts are (visited, skipped) per (row, query head, key tile) (docs/skip_softmax.md). A sequence's counts go to its
+phase: decode iff its first new row is at or past its prompt length (a chunk that resumes a preempted request and
+recomputes prompt and generated tokens counts as prefill). Steps in which no row can drop a tile run the native
+forward and are not counted.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .vllm_calibration_records import make_record
-from .vllm_impls import _SPARSE_CLASSES, _STATE_ATTR
+from .vllm_impls import layer_state
 from .vllm_install import _layers
 
 
 def _sparse_layers(model_or_layers):
     for name, layer in _layers(model_or_layers):
-        if isinstance(layer.impl, _SPARSE_CLASSES):
-            yield name, getattr(layer.impl, _STATE_ATTR)
+        state = layer_state(layer)
+        if state is not None:
+            yield name, state
 
 
 def collect_calibration_records(model_or_layers, *, reset: bool = True) -> list[dict]:
     """One plain record per calibrating layer (see vllm_calibration_records), in layer order. Syncs once.
 
-    `reset` drops the collected steps so the next collection starts fresh (call it once before the
-    calibration prompts too, to drop warm-up steps).
+    A record's `kv_lens` are the law's lengths n per sequence-step (the prompt length for a prefill sequence, the
+    key count for a decode one) and `is_decode` its phase. `reset` drops the collected steps so the next
+    collection starts fresh (call it once before the calibration prompts too, to drop warm-up steps).
     """
     records = []
     for name, state in _sparse_layers(model_or_layers):
-        if state.mode != "calibrate":
+        if not state.context.calibrating:
             continue
         steps = state.records
-        trials = len(state.scale_factor_trials)
+        trials = state.context.trials
         if steps:
             counts = torch.cat([c for c, _, _ in steps]).cpu().numpy()
-            kv_lens = torch.cat([k for _, k, _ in steps]).cpu().numpy()
+            law_lens = torch.cat([n for _, n, _ in steps]).cpu().numpy()
             is_decode = torch.cat([d for _, _, d in steps]).cpu().numpy()
         else:
-            counts, kv_lens, is_decode = torch.zeros(0, trials, 2, dtype=torch.int64).numpy(), [], []
-        records.append(make_record(name, state.scale_factor_trials, kv_lens, is_decode, counts))
+            counts, law_lens, is_decode = torch.zeros(0, len(trials), 2, dtype=torch.int64).numpy(), [], []
+        records.append(make_record(name, trials, law_lens, is_decode, counts))
         if reset:
             state.records = []
     return records
@@ -50,6 +58,14 @@ def get_sparsity_stats(model_or_layers) -> dict[str, dict[str, dict[str, int]]]:
 
 
 def reset_sparsity_stats(model_or_layers) -> None:
-    """Zero the serving counters of every sparse layer."""
+    """Zero the serving counters of every sparse layer (in place: the tensors keep their addresses)."""
     for _, state in _sparse_layers(model_or_layers):
-        state.phase_counts = None
+        if state.phase_counts is not None:
+            with torch.inference_mode():  # vLLM's forward created it under inference mode
+                state.phase_counts.zero_()
+
+
+def is_sparse_layer(layer) -> bool:
+    """Whether the layer runs the skip-softmax kernel (a sparse impl whose engine calibrates or serves a phase)."""
+    state = layer_state(layer)
+    return state is not None and state.runs_sparse

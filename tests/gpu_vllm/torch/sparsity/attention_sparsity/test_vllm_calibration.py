@@ -1,7 +1,8 @@
 """vLLM plugin calibration mode: dense output, per-sequence trial counts, records, and their merge.
 
 Numerics: float32 inputs; the dense output is compared with a float64 reference at atol 2e-5. Counts are integers
-and must equal exactly what the kernel on contiguous K/V counts, and what serving skips at the same λ.
+and must equal exactly what the kernel on contiguous K/V counts for the same law (trials as scale factors: ln λ_t =
+ln sf_t - ln n), and what serving drops at the same law.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
 )
 
 PAGE, NB, D = 16, 64, 32
-TRIALS = (5.0, 30.0, 90.0)  # scale factors: λ_t = sf_t / kv_len
+TRIALS = (5.0, 30.0, 90.0)  # scale factors: λ_t = sf_t / n
 
 
 def _serve_settings(sf):
@@ -47,7 +48,7 @@ def _run(layer, vllm_config, batch, backend, cache=None):
     cache = cache or make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
-    return run_layer(layer, vllm_config, batch, backend_metadata(backend, batch)), cache
+    return run_layer(layer, vllm_config, batch, backend_metadata(layer, batch)), cache
 
 
 CASES = [
@@ -74,7 +75,9 @@ def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens
     np.testing.assert_array_equal(record["kv_lens"], kv_lens)
     np.testing.assert_array_equal(record["is_decode"], [ql == 1 for ql in q_lens])
     kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
-    lam = torch.tensor(TRIALS)[None, :] / batch.seq_lens[:, None].float()
+    b = len(q_lens)
+    log_sf = torch.tensor(TRIALS).log()[None, :, None].expand(b, -1, 2).contiguous()
+    prompt = torch.tensor([kl - 1 if ql == 1 else kl for ql, kl in zip(q_lens, kv_lens, strict=True)])
     _, expected = paged_skip_softmax_attention(
         batch.q,
         kc,
@@ -83,7 +86,9 @@ def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens
         batch.query_start_loc,
         batch.seq_lens,
         softmax_scale=D**-0.5,
-        threshold_trials=lam,
+        log_scale_factors=log_sf,
+        length_exponents=torch.ones(b, 2),
+        prompt_lens=prompt,
         backend="torch",
     )
     np.testing.assert_array_equal(record["counts"], expected.numpy())
@@ -94,7 +99,7 @@ def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens
 
 @pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
 def test_calibration_counts_equal_serving_skips(backend, make_layer, vllm_config):
-    """For each trial, serving at λ = sf_t / kv_len skips exactly the tiles calibration counted."""
+    """For each trial, serving at λ = sf_t / n drops exactly the row-tiles calibration counted."""
     batch = make_batch([1, 60, 1], [190, 120, 75], dim=D, page=PAGE, num_blocks=NB)
     layer = make_layer(backend, head_size=D)
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import types
-from unittest import mock
 
 import pytest
 import torch
@@ -108,17 +107,14 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
 
 
 def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
-    """The sparse impl (calibrate mode: dense output) on a real CPU Attention layer vs the native impl."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
+    """The sparse impl (calibrate mode: dense output) on a real CPU Attention layer vs the native impl; the sparse
+    run's metadata comes from the sparse CPU builder (vLLM's real CPU build, with its C++ scheduler metadata)."""
+    from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
 
     page, dim, dtype = 32, 64, torch.float32
     b = _batch(page, dim, dtype)
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    fake = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
-    with set_current_vllm_config(cfg), mock.patch.object(cpu_attn, "get_current_vllm_config", lambda: fake):
-        layer = Attention(4, dim, dim**-0.5, 2, prefix="cpu_native.attn", attn_backend=cpu_attn.CPUAttentionBackend)
-    layer.isa = "vec"
+    cfg = engine_config()
+    layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim, prefix="cpu_native.attn")
     md = cpu_attn.CPUAttentionMetadata(
         num_actual_tokens=int(b.qsl[-1]),
         max_query_len=max(b.q_lens),
@@ -141,11 +137,17 @@ def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
             enable_kv_split=False,
         ),
     )
+    step = types.SimpleNamespace(  # the fields vllm_plugin_testlib.common_metadata reads
+        q_lens=b.q_lens, kv_lens=b.kv_lens, query_start_loc=b.qsl, seq_lens=b.seq_lens, block_table=b.block_table,
+        slot_mapping=b.slots, num_tokens=int(b.qsl[-1]),
+    )
     outputs = []
     for install in (False, True):
         kv_cache = torch.zeros(b.nb, 2, page, 2 * dim, dtype=dtype)
         if install:
             plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0])
+            md = build_metadata(make_builder(cfg, [layer], page=page), step)
+            assert layer.impl._modelopt_sparse.isa in ("vec", "vec16")  # chosen by vLLM's CPU builder
         out = torch.full_like(b.q, math.nan)
         layer.impl.do_kv_cache_update(layer, b.k, b.v, kv_cache, b.slots)  # all tokens: prefix + new
         layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)

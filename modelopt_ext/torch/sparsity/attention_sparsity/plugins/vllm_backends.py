@@ -1,0 +1,231 @@
+"""Sparse attention backends and metadata builders: vLLM's own roles, filled by subclasses of the native ones.
+
+vLLM asks each attention layer for its backend class (`layer.get_attn_backend()`, i.e. `layer.attn_backend`) when
+the engine builds its KV cache: the backend's `get_builder_cls()` gives the metadata builder of the layer's group,
+the builders' `get_cudagraph_support()` decide the CUDA-graph mode, and `get_supported_kernel_block_sizes()` the
+page size. Install (plugins/vllm_install.py) sets a layer's `attn_backend` to the sparse backend of its native one
+and its `impl` to the sparse impl, right after the model loads and before the KV cache exists:
+
+    FlashInferBackend      -> ModelOptSparseFlashInferBackend      (builder ModelOptSparseFlashInferMetadataBuilder)
+    FlashAttentionBackend  -> ModelOptSparseFlashAttentionBackend  (builder ModelOptSparseFlashAttentionMetadataBuilder)
+    CPUAttentionBackend    -> ModelOptSparseCPUAttentionBackend    (builder ModelOptSparseCPUAttentionMetadataBuilder)
+
+(`register_backend` would override a backend for every engine of the process, and vLLM caches its selection; the
+per-layer attribute is what vLLM reads after construction, per engine, and uninstall restores it.)
+
+The builders run the native `build` unchanged and attach the step's `SparsePlan` (plugins/vllm_plan.py); they plan
+from the engine context of their layers, never from a process-wide registry. They declare:
+
+- CUDA graphs: `AttentionCGSupport.NEVER` for now. vLLM then resolves its default `FULL_AND_PIECEWISE` to
+  `PIECEWISE` (attention runs eagerly between captured pieces) and `-O0` / `enforce_eager` stay eager; the mode
+  vLLM chose is logged once per engine. The plan's tensors are persistent buffers so full decode graphs can be
+  declared later (docs/vllm_matrix.md lists what a GPU must confirm first).
+- no cascade attention (the sparse kernel reads each sequence's whole paged cache), no in-place block-table update
+  of built metadata (the plan is built in `build`), no draft-decode metadata refresh without `build`.
+- page sizes: where CUDA runs the Triton kernel, only the kernel block sizes it covers (powers of two >= 16), so
+  vLLM's block-size selection plans a covered page size; a builder whose page size is not covered refuses at
+  start-up, as does a CPU builder whose ISA has an unmeasured cache layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .vllm_compat import native_kernel_block_sizes, vllm_facts
+from .vllm_impls import (
+    _STATE_ATTR,
+    ModelOptSparseAttentionImpl,
+    ModelOptSparseCPUAttentionImpl,
+    ModelOptSparseFlashInferImpl,
+    layer_state,
+)
+from .vllm_kv_cache import CPU_KNOWN_ISAS
+from .vllm_plan import PLAN_ATTR, SparsePlanner
+
+logger = logging.getLogger(__name__)
+
+BUILDER_MARK = "_modelopt_sparse_builder"
+"""Set on a vLLM attention layer once a sparse metadata builder covers it (so a later install may make it sparse)."""
+
+TRITON_PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+"""Kernel block sizes the Triton skip-softmax kernel covers (powers of two >= its MIN_PAGE_SIZE)."""
+
+
+def kernel_page_problem(kernel_backend: str, page_size: int, head_size: int, dtype) -> str | None:
+    """Why the chosen kernel backend cannot run this page size / head size / dtype (None when it can)."""
+    if kernel_backend != "triton":
+        return None
+    from modelopt_ext.torch.kernels.sparsity.attention.triton_kernel import unsupported_reason
+
+    q = torch.empty(0, 1, head_size, dtype=dtype, device="meta")
+    k = torch.empty(0, page_size, 1, head_size, dtype=dtype, device="meta")
+    return unsupported_reason(q, k)
+
+
+def _covered_kernel_block_sizes(native_backend, kv_cache_spec=None) -> list:
+    """The native backend's kernel block sizes restricted to what the Triton kernel covers (where CUDA runs it)."""
+    native = native_kernel_block_sizes(native_backend, kv_cache_spec)
+    if not torch.cuda.is_available():
+        return native
+    covered = []
+    for size in native:
+        if isinstance(size, int):
+            covered += [size] if size in TRITON_PAGE_SIZES else []
+        else:  # vLLM's MultipleOf(n)
+            base = int(getattr(size, "base", 1))
+            covered += [p for p in TRITON_PAGE_SIZES if p % base == 0]
+    return sorted(set(covered)) or native  # nothing covered: the builder refuses at start-up with the reason
+
+
+class _SparseBuilderMixin:
+    """What the three sparse builders add to their native builder (placed before it in the MRO)."""
+
+    supports_update_block_table = False  # the plan is built in build(); never patch built metadata in place
+    supports_draft_decode_metadata_update = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        """NEVER (for now): vLLM resolves full-graph modes to piecewise (or eager) by itself."""
+        return vllm_facts().cg_support.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        forward_context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+        self._modelopt_layers = [forward_context[n] for n in layer_names if n in forward_context]
+        for layer in self._modelopt_layers:
+            setattr(layer, BUILDER_MARK, True)
+        max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
+        self._modelopt_planner = SparsePlanner(max_num_seqs, device)
+        self._modelopt_check_startup(kv_cache_spec)
+
+    def _modelopt_context(self):
+        for layer in self._modelopt_layers:
+            state = layer_state(layer)
+            if state is not None:
+                return state.context
+        return None
+
+    def _modelopt_check_startup(self, kv_cache_spec) -> None:
+        """Refuse at start-up (KV-cache init) what the sparse kernel cannot serve with this group's page size."""
+        context = self._modelopt_context()
+        if context is None:
+            return
+        page = int(kv_cache_spec.block_size)
+        problem = kernel_page_problem(context.kernel_backend, page, int(kv_cache_spec.head_size),
+                                      getattr(kv_cache_spec, "dtype", torch.float16))
+        if problem is not None:
+            raise ValueError(
+                f"sparse attention: vLLM chose kernel block size {page} for layers {self.layer_names[:3]}..., which "
+                f"the {context.kernel_backend} skip-softmax kernel does not cover ({problem}). Serve with "
+                f"--block-size {TRITON_PAGE_SIZES[0]} (or another power of two >= 16), or set "
+                "MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch (PyTorch reference, slow)"
+            )
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        """Never: the sparse kernel reads each sequence's whole paged cache (no shared-prefix split)."""
+        return False
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        """The native build, plus the step's sparse plan when this group has sparse layers."""
+        metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        context = self._modelopt_context()
+        if context is not None:
+            context.log_once(
+                "cudagraph",
+                "sparse attention (%s): vLLM runs CUDA graph mode %s (the sparse builders declare no full-graph "
+                "support); prompt lengths from %s",
+                context.describe(),
+                getattr(getattr(self.vllm_config, "compilation_config", None), "cudagraph_mode", None),
+                context.prompt_lens.name if context.prompt_lens is not None
+                else f"the kernel's default rule ({context.prompt_lens_reason})",
+            )
+            if not context.serves_dense:
+                setattr(metadata, PLAN_ATTR, self._modelopt_planner.plan(context, common_attn_metadata))
+        return metadata
+
+
+def _backend_pair(kind: str, impl_cls, name: str):
+    """(sparse backend, sparse builder) classes for one native backend, or (None, None) when vLLM lacks it."""
+    native = vllm_facts().native(kind)
+    if native is None or impl_cls is None:
+        return None, None
+    builder = type(f"ModelOptSparse{name}MetadataBuilder", (_SparseBuilderMixin, native.builder), {
+        "__module__": __name__,
+        "__doc__": f"{native.builder.__name__} that attaches the per-step sparse plan (see module docstring).",
+    })
+
+    def get_impl_cls():
+        return impl_cls
+
+    def get_builder_cls():
+        return builder
+
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
+        return _covered_kernel_block_sizes(native.backend, kv_cache_spec)
+
+    backend = type(f"ModelOptSparse{name}Backend", (native.backend,), {
+        "__module__": __name__,
+        "__doc__": f"{native.backend.__name__} whose impl and metadata builder are the sparse ones.",
+        "get_impl_cls": staticmethod(get_impl_cls),
+        "get_builder_cls": staticmethod(get_builder_cls),
+        "get_supported_kernel_block_sizes": classmethod(get_supported_kernel_block_sizes),
+        "_modelopt_native_backend": native.backend,
+    })
+    return backend, builder
+
+
+ModelOptSparseFlashInferBackend, ModelOptSparseFlashInferMetadataBuilder = _backend_pair(
+    "flashinfer", ModelOptSparseFlashInferImpl, "FlashInfer"
+)
+ModelOptSparseFlashAttentionBackend, ModelOptSparseFlashAttentionMetadataBuilder = _backend_pair(
+    "flash_attn", ModelOptSparseAttentionImpl, "FlashAttention"
+)
+ModelOptSparseCPUAttentionBackend, _CPUBuilderBase = _backend_pair("cpu_attn", ModelOptSparseCPUAttentionImpl,
+                                                                   "CPUAttention")
+if _CPUBuilderBase is not None:
+    _CPUBuilderBase.__name__ = _CPUBuilderBase.__qualname__ = "_ModelOptSparseCPUAttentionMetadataBuilderBase"
+
+if _CPUBuilderBase is not None:
+
+    class ModelOptSparseCPUAttentionMetadataBuilder(_CPUBuilderBase):
+        """The sparse CPU builder also checks the ISA vLLM chose: it decides the cache layout the impl reads."""
+
+        def _modelopt_check_startup(self, kv_cache_spec) -> None:
+            super()._modelopt_check_startup(kv_cache_spec)
+            if self._modelopt_context() is None:
+                return
+            isa = getattr(self, "isa", None)
+            if isa not in CPU_KNOWN_ISAS:
+                raise ValueError(
+                    f"sparse attention: vLLM's CPU attention chose ISA {isa!r} for layers {self.layer_names[:3]}...; "
+                    f"its KV-cache layout was not measured (supported: {CPU_KNOWN_ISAS}). Serve a float32/float16 "
+                    "model or on a CPU without AMX, or set MODELOPT_EXT_SPARSE_ATTN=0"
+                )
+            for layer in self._modelopt_layers:
+                state = getattr(layer.impl, _STATE_ATTR, None)
+                if state is not None:
+                    state.isa = isa
+
+    ModelOptSparseCPUAttentionBackend.get_builder_cls = staticmethod(
+        lambda: ModelOptSparseCPUAttentionMetadataBuilder
+    )
+else:  # pragma: no cover - vLLM without CPU attention
+    ModelOptSparseCPUAttentionMetadataBuilder = None
+
+SPARSE_BACKENDS = {
+    kind: backend
+    for kind, backend in (
+        ("flashinfer", ModelOptSparseFlashInferBackend),
+        ("flash_attn", ModelOptSparseFlashAttentionBackend),
+        ("cpu_attn", ModelOptSparseCPUAttentionBackend),
+    )
+    if backend is not None
+}
+"""The sparse backend of each native backend kind this vLLM has."""
+
+
+def native_backend_of(backend_cls):
+    """The native backend class a (sparse or native) backend class stands for."""
+    return getattr(backend_cls, "_modelopt_native_backend", backend_cls)

