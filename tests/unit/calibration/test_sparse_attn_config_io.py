@@ -79,6 +79,8 @@ def test_modelopt_docstring_example_parses(caplog):
     # decode is calibrated but has no target: ModelOpt serves it at 0.5, so do we, and say so.
     assert s.decode == PhaseCalibration(0.12, 9.85, 0.5)
     assert "target_sparsity.decode is missing" in caplog.text
+    # ModelOpt's (a, b) count 128x128 blocks: served here they realize more sparsity; the load says so
+    assert "calibrated by NVIDIA ModelOpt" in caplog.text and "Recalibrate with modelopt_ext" in caplog.text
     assert s.attention_classes == ("LlamaAttention",)
     assert s.group_name == "group_0"
     assert math.isclose(s.prefill.scale_factor, 7.93 * math.exp(8.61 * 0.5))

@@ -683,6 +683,15 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
         )
     if all(cal is None for cal in phases.values()):
         logger.warning("%s: no phase is calibrated with a > 0; the checkpoint is served dense", gpath)
+    producer = (model.producer or {}).get("name")
+    calibrated = [p for p in PHASES if phases[p] is not None and not phases[p].is_static]
+    if producer == "modelopt" and calibrated:
+        logger.warning(
+            "%s: calibrated by NVIDIA ModelOpt, whose (a, b) count sparsity in blocks of 128 query rows x 128 keys; "
+            "modelopt_ext drops per row and 64-key tile, so the same (a, b) realizes a higher sparsity here than "
+            "the target (README, 'Compatibility with NVIDIA ModelOpt'). Recalibrate with modelopt_ext to serve the "
+            "target; recalibration keeps the group's ignore list and other policy", gpath,
+        )  # fmt: skip
     return SparseAttentionSettings(
         prefill=phases["prefill"],
         decode=phases["decode"],
