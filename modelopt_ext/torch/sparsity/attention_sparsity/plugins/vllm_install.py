@@ -388,7 +388,7 @@ def install_sparse_attention(
     if kinds - {"cpu_attn"} and native_flash_cache_write_op() is None:
         context.log_once("torch-write", "vLLM's reshape_and_cache_flash op is absent in this process; the sparse "
                          "impls write K/V into the paged cache with the torch equivalent")
-    if mode == "serve" and context.serves_dense:
+    if mode == "serve" and settings is not None and context.serves_dense:
         logger.warning(
             "sparse attention: no calibrated phase in the settings; %d layer(s) carry the sparse backend but run "
             "their native dense attention (calibrate the checkpoint first)", len(targets)

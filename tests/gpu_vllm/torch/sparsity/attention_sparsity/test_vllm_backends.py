@@ -104,16 +104,16 @@ def test_real_flashinfer_build_under_the_sparse_builder(call_style, make_layer, 
     assert not hasattr(native_md, plug.PLAN_ATTR)
 
 
-def test_builders_declare_their_roles(make_layer, vllm_config):
-    for kind in plug.SPARSE_BACKENDS:
-        layer = make_layer(kind, head_size=D)
-        plug.install_sparse_attention([layer], _settings(sf_prefill=8.0))
-        builder = make_builder(vllm_config, [layer])
-        assert type(builder) is layer.attn_backend.get_builder_cls()
-        assert builder.get_cudagraph_support(vllm_config, None) == plug.vllm_facts().cg_support.NEVER
-        assert builder.supports_update_block_table is False  # the plan is built in build(), never patched in place
-        assert builder.use_cascade_attention(0, np.array([4]), 4, 2, False) is False
-        assert getattr(layer, "_modelopt_sparse_builder", False)
+@pytest.mark.parametrize("kind", ["flashinfer", "flash_attn", "cpu_attn"])
+def test_builders_declare_their_roles(kind, make_layer, vllm_config):
+    layer = make_layer(kind, head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=8.0))
+    builder = make_builder(vllm_config, [layer])
+    assert type(builder) is layer.attn_backend.get_builder_cls()
+    assert builder.get_cudagraph_support(vllm_config, None) == plug.vllm_facts().cg_support.NEVER
+    assert builder.supports_update_block_table is False  # the plan is built in build(), never patched in place
+    assert builder.use_cascade_attention(0, np.array([4]), 4, 2, False) is False
+    assert getattr(layer, "_modelopt_sparse_builder", False)
 
 
 def test_vllm_resolves_the_graph_mode_from_the_sparse_builders():
@@ -185,12 +185,16 @@ def test_uncovered_page_size_refused_when_the_builder_is_made(make_layer, vllm_c
     make_builder(vllm_config, [layer], page=32)  # covered
 
 
-def test_kernel_block_sizes_offered_to_vllm_are_the_covered_ones(monkeypatch):
+def test_kernel_block_sizes_offered_to_vllm_are_the_covered_ones(vllm_config, monkeypatch):
     """Where CUDA runs the Triton kernel, the sparse backends offer vLLM only page sizes it covers, so vLLM's
     block-size selection plans a covered one (virtual block splitting)."""
+    from vllm.config import set_current_vllm_config
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert plug.ModelOptSparseFlashInferBackend.get_supported_kernel_block_sizes() == [16, 32, 64]
-    fa = plug.ModelOptSparseFlashAttentionBackend.get_supported_kernel_block_sizes()
+    with set_current_vllm_config(vllm_config):  # some releases' native methods read the current config
+        fi = plug.ModelOptSparseFlashInferBackend.get_supported_kernel_block_sizes()
+        fa = plug.ModelOptSparseFlashAttentionBackend.get_supported_kernel_block_sizes()
+    assert fi == [16, 32, 64]
     assert fa and all(isinstance(s, int) and s >= 16 and s & (s - 1) == 0 for s in fa)
     try:
         from vllm.v1.worker.utils import select_common_block_size

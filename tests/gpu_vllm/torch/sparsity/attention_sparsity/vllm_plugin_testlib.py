@@ -468,6 +468,7 @@ def cpu_planning():
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patch_if_present(v1_utils, "PIN_MEMORY", False))
         stack.enter_context(_patch_if_present(flashinfer, "PIN_MEMORY", False))
+        stack.enter_context(_patch_if_present(flashinfer, "is_pin_memory_available", lambda: False))  # <= 0.2x
         stack.enter_context(_patch_if_present(fi, "_get_prefill_wrapper", lambda self, *a, **k: _prefill_wrapper()))
         stack.enter_context(_patch_if_present(fi, "_get_decode_wrapper", lambda self, *a, **k: _decode_wrapper()))
         stack.enter_context(_patch_if_present(flashinfer, "fast_plan_decode", lambda w, *a, **k: w.plan(**k)))
