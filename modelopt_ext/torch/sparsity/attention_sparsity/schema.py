@@ -534,6 +534,23 @@ class PhaseCalibration:
         """A length-independent λ (γ = 0), e.g. ModelOpt's static default threshold."""
         return self.length_exponent == 0.0
 
+    @property
+    def dense_below(self) -> float:
+        """Rows whose law length n is at most this get λ >= 1 and run dense: the target is unreachable there
+        (0: every length is served sparse; inf: no length is)."""
+        c, gamma = self.log_scale_factor, self.length_exponent
+        if not c > 0:
+            return 0.0
+        return math.inf if gamma <= 0 else math.exp(min(c / gamma, 700.0))
+
+    def describe_unreachable(self, phase: str) -> str | None:
+        """One line for logs when some lengths run dense at this target, else None."""
+        cut = self.dense_below
+        if cut < 2:
+            return None
+        where = "every length" if math.isinf(cut) else f"sequences of up to {int(cut)} tokens"
+        return f"{phase} target {self.target_sparsity:g}: {where} run dense (λ >= 1, the law cannot reach the target)"
+
 
 @dataclass(frozen=True)
 class SparseAttentionSettings:

@@ -393,6 +393,12 @@ def install_sparse_attention(
             "sparse attention: no calibrated phase in the settings; %d layer(s) carry the sparse backend but run "
             "their native dense attention (calibrate the checkpoint first)", len(targets)
         )
+    if mode == "serve" and settings is not None:
+        for phase in ("prefill", "decode"):
+            calib = settings.phase(phase)
+            note = None if calib is None else calib.describe_unreachable(phase)
+            if note:
+                logger.warning("sparse attention: %s", note)
     logger.info(
         "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled (%d restored); "
         "prompt lengths: %s",
