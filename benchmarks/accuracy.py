@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         "samples": s["calib_samples"],
         "max_seqlen": s["calib_max_seqlen"],
         "min_seqlen": min(256, s["calib_max_seqlen"]),
-        "decode_tokens": 8,
+        "num_decode_tokens": 8,
         "chunk_size": chunk,
         "seed": 0,
         "cache_dir": args.cache_dir,

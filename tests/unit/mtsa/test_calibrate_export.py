@@ -170,7 +170,7 @@ def test_default_forward_loop_uses_the_shared_prompts(tmp_path):
     """No forward_loop: RULER-style prompts from calibration.data, chunked prefill (3 chunks at 1k) + decode."""
     model = make_tiny_llama(16)
     calib = {"target_sparse_ratio": {"prefill": 0.3, "decode": 0.3}, "samples": 4, "max_seqlen": 1024,
-             "min_seqlen": 512, "decode_tokens": 4, "chunk_size": 384, "cache_dir": str(tmp_path)}  # fmt: skip
+             "min_seqlen": 512, "num_decode_tokens": 4, "chunk_size": 384, "cache_dir": str(tmp_path)}  # fmt: skip
     mtsa.sparsify(model, {"sparse_cfg": {"calibration": calib, "*self_attn*": {}}}, tokenizer=make_byte_tokenizer())
     cal = next(iter(mtsa.sparse_attention_states(model).values())).calibration
     assert cal["prefill"].n_points >= 6 and cal["decode"].n_points >= 6

@@ -27,7 +27,7 @@ def _logits(model, ids, **kwargs):
 @pytest.mark.parametrize("threshold", [None, 1e-30])
 def test_dense_equals_sdpa(dense_and_copy, threshold):
     dense, model = dense_and_copy(seed=1)
-    mtsa.sparsify(model, {"*self_attn*": {"threshold": threshold, "backend": "torch"}})
+    mtsa.sparsify(model, {"*self_attn*": {"thresholds": threshold, "backend": "torch"}})
     assert model.config._attn_implementation == mtsa.ATTN_IMPLEMENTATION
     ids = random_ids(200, batch=2, seed=1)
     torch.testing.assert_close(_logits(model, ids), _logits(dense, ids), rtol=0, atol=TOL)
@@ -55,7 +55,7 @@ def test_chunked_prefill_and_decode_equal_sdpa(dense_and_copy):
 
 def test_large_threshold_skips_but_stays_close(dense_and_copy):
     dense, model = dense_and_copy(seed=3)
-    mtsa.sparsify(model, {"*self_attn*": {"threshold": {"prefill": 0.05, "decode": 0.05}}})
+    mtsa.sparsify(model, {"*self_attn*": {"thresholds": {"prefill": 0.05, "decode": 0.05}}})
     ids = random_ids(512, seed=3)
     ref, out = _logits(dense, ids), _logits(model, ids)
     sparsity = mtsa.realized_sparsity(model)["prefill"]
@@ -70,7 +70,7 @@ def test_large_threshold_skips_but_stays_close(dense_and_copy):
 
 def test_disabled_module_takes_sdpa_path(dense_and_copy):
     dense, model = dense_and_copy(seed=4)
-    mtsa.sparsify(model, {"*self_attn*": {"threshold": 0.5}})
+    mtsa.sparsify(model, {"*self_attn*": {"thresholds": 0.5}})
     names = mtsa.disable_sparse_attention(model, "*layers.1.*")
     assert names == ["model.layers.1.self_attn"]
     ids = random_ids(130, seed=4)
@@ -88,7 +88,7 @@ def test_disabled_module_takes_sdpa_path(dense_and_copy):
 
 def test_unmatched_pattern_leaves_modules_dense(dense_and_copy):
     dense, model = dense_and_copy(seed=5)
-    mtsa.sparsify(model, {"*layers.0.self_attn": {"threshold": 0.5}})
+    mtsa.sparsify(model, {"*layers.0.self_attn": {"thresholds": 0.5}})
     states = mtsa.sparse_attention_states(model)
     assert states["model.layers.0.self_attn"].enabled and not states["model.layers.1.self_attn"].enabled
 
@@ -113,7 +113,7 @@ def _direct_kernel(query, key, value, lam, scaling):
 @pytest.mark.parametrize("q_len,kv_len,batch", [(96, 96, 2), (40, 200, 1), (1, 333, 3)])
 def test_hf_path_matches_direct_kernel_call(q_len, kv_len, batch):
     model = make_tiny_llama(6, layers=1)
-    mtsa.sparsify(model, {"*self_attn*": {"threshold": 0.05}})
+    mtsa.sparsify(model, {"*self_attn*": {"thresholds": 0.05}})
     module = model.model.layers[0].self_attn
     state: SparseAttentionState = getattr(module, STATE_ATTR)
     g = torch.Generator().manual_seed(q_len * 1000 + kv_len)
@@ -187,7 +187,7 @@ def test_unsupported_models_are_named():
 
 def test_generate_matches_dense(dense_and_copy):
     dense, model = dense_and_copy(seed=9)
-    mtsa.sparsify(model, {"*self_attn*": {"threshold": None}})
+    mtsa.sparsify(model, {"*self_attn*": {"thresholds": None}})
     ids = random_ids(90, seed=9)
     with torch.no_grad():
         ref = dense.generate(ids, max_new_tokens=12, do_sample=False)

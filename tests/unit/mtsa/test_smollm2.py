@@ -29,7 +29,7 @@ def test_smollm2_dense_matches_sdpa_and_skips_when_asked(smollm2):
     tok, dense = smollm2
     ids = tok(TEXT, return_tensors="pt").input_ids
     assert ids.shape[1] > 256
-    model = mtsa.sparsify(copy.deepcopy(dense), {"*self_attn*": {"threshold": None}})
+    model = mtsa.sparsify(copy.deepcopy(dense), {"*self_attn*": {"thresholds": None}})
     assert len(mtsa.sparse_attention_states(model, enabled_only=True)) == 30
     with torch.no_grad():
         ref = dense(ids).logits
@@ -37,7 +37,7 @@ def test_smollm2_dense_matches_sdpa_and_skips_when_asked(smollm2):
     # fp32: the reference kernel and sdpa differ by summation order only.
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-4)
 
-    sparse = mtsa.sparsify(copy.deepcopy(dense), {"*self_attn*": {"threshold": {"prefill": 0.1, "decode": 0.1}}})
+    sparse = mtsa.sparsify(copy.deepcopy(dense), {"*self_attn*": {"thresholds": {"prefill": 0.1, "decode": 0.1}}})
     with torch.no_grad():
         out = sparse(ids).logits
         gen_dense = dense.generate(ids, max_new_tokens=8, do_sample=False)
