@@ -397,12 +397,15 @@ TINY_MODEL = {
 @functools.cache
 def engine_config():
     """A real VllmConfig on the CPU device with a real ModelConfig (4 heads, 2 KV heads, head 32, float32)."""
+    import atexit
     import json
+    import shutil
     import tempfile
 
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
     folder = tempfile.mkdtemp(prefix="modelopt-ext-tiny-llama-")
+    atexit.register(shutil.rmtree, folder, True)
     with open(f"{folder}/config.json", "w") as f:
         json.dump(TINY_MODEL, f)
     model = ModelConfig(model=folder, tokenizer=folder, dtype="float32", max_model_len=4096, skip_tokenizer_init=True)
