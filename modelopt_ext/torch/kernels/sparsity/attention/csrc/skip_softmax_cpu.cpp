@@ -41,9 +41,8 @@ namespace {
 constexpr int kTileK = 64;        // semantics.TILE_K
 constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
 constexpr int kSplitTiles = kSplitTokens / kTileK;
-constexpr int kChunk = 16;        // keys per score micro-kernel column block
-constexpr int kChunks = kTileK / kChunk;
-constexpr int kQkRows = 6;        // rows per score micro-kernel call
+constexpr int kMaxChunks = kTileK / 16;  // score micro-kernel column blocks of 32 keys (16 when the page needs it)
+constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kPvRows = 4;        // rows per P·V micro-kernel call
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -119,36 +118,50 @@ inline v8f vexp(v8f x) {
   return p * pow2;
 }
 
-// S[r][0..15] = sum_d q[r][d] * K[d][0..15] for R rows; K element (d, j) at k[d * sd + j].
-template <typename T, int R>
-inline void qk_kernel(const float* q, int D, const T* k, int64_t sd, float* s) {
-  v8f acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = splat(0.f);
+// S[r][0 .. 8 NV - 1] = sum_d q[r][d] * K[d][0 .. 8 NV - 1] for R rows; K element (d, j) at k[d * sd + j].
+// Step d also prefetches pf[kPrefetchPerStep * d ...] (the next tile's K and the previous tile's kept V), so
+// memory requests are spread over the compute instead of issued in bursts.
+template <typename T, int R, int NV>
+inline void qk_kernel(const float* q, int D, const T* k, int64_t sd, float* s, const char* const* pf, int npf) {
+  v8f acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = splat(0.f);
+  }
   for (int d = 0; d < D; ++d) {
+    if (kPrefetchPerStep * d < npf) {
+      for (int i = 0; i < kPrefetchPerStep; ++i) {
+        if (kPrefetchPerStep * d + i < npf) __builtin_prefetch(pf[kPrefetchPerStep * d + i], 0, 3);
+      }
+    }
     const T* kp = k + d * sd;
-    v8f k0 = load8(kp), k1 = load8(kp + 8);
+    v8f kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = load8(kp + 8 * v);
     for (int r = 0; r < R; ++r) {
       v8f qb = splat(q[r * D + d]);
-      acc[r][0] += qb * k0;
-      acc[r][1] += qb * k1;
+      for (int v = 0; v < NV; ++v) acc[r][v] += qb * kv[v];
     }
   }
   for (int r = 0; r < R; ++r) {
-    store8(s + r * kTileK, acc[r][0]);
-    store8(s + r * kTileK + 8, acc[r][1]);
+    for (int v = 0; v < NV; ++v) store8(s + r * kTileK + 8 * v, acc[r][v]);
   }
 }
 
-template <typename T>
-inline void qk_rows(const float* q, int D, int rows, const T* k, int64_t sd, float* s) {
+// Scores of `rows` rows against one column block of 8 NV keys; the prefetch list goes to the first call only.
+template <typename T, int NV>
+inline void qk_rows(const float* q, int D, int rows, const T* k, int64_t sd, float* s, const char* const* pf,
+                    int npf) {
+  constexpr int kRows = NV == 4 ? 3 : 6;  // 12 accumulators either way
   int r = 0;
-  for (; r + kQkRows <= rows; r += kQkRows) qk_kernel<T, kQkRows>(q + r * D, D, k, sd, s + r * kTileK);
+  for (; r + kRows <= rows; r += kRows) {
+    qk_kernel<T, kRows, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf);
+    npf = 0;
+  }
   switch (rows - r) {
-    case 5: qk_kernel<T, 5>(q + r * D, D, k, sd, s + r * kTileK); break;
-    case 4: qk_kernel<T, 4>(q + r * D, D, k, sd, s + r * kTileK); break;
-    case 3: qk_kernel<T, 3>(q + r * D, D, k, sd, s + r * kTileK); break;
-    case 2: qk_kernel<T, 2>(q + r * D, D, k, sd, s + r * kTileK); break;
-    case 1: qk_kernel<T, 1>(q + r * D, D, k, sd, s + r * kTileK); break;
+    case 5: qk_kernel<T, NV == 4 ? 1 : 5, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
+    case 4: qk_kernel<T, NV == 4 ? 1 : 4, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
+    case 3: qk_kernel<T, NV == 4 ? 1 : 3, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
+    case 2: qk_kernel<T, 2, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
+    case 1: qk_kernel<T, 1, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
     default: break;
   }
 }
@@ -216,7 +229,8 @@ struct Params {
   const float* log_sf;  // [B, T, 2] or null (dense, no counts)
   const float* gamma;   // [B, 2]
   bool calibrate;
-  bool k_direct;  // K chunks readable in place: keys contiguous (stride 1) and 16-key chunks never cross pages
+  int kc;         // keys per K prefetch / packing block: 32, or 16 when the page is not a multiple of 32
+  bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // [B, T] (counts[..., 1] written at the end)
 };
@@ -228,13 +242,17 @@ struct Item {
   int64_t cost;
 };
 
+// Per-thread buffers, reused across items and calls. Tiles are processed in two stages (scores and decisions of
+// tile t, then exp and P·V of tile t - 1), so the per-tile buffers have two slots.
 struct Scratch {
-  std::vector<float> q, s, o, mx, l, g0, srun, lnl;
-  std::vector<int32_t> pos;
+  std::vector<float> q, s, o, mx, l, g0, srun, lnl, kept_g;
+  std::vector<int32_t> pos, kept_m;
   std::vector<unsigned char> kbuf, vbuf;
   std::vector<const void*> vrow;
+  std::vector<const char*> pf;
   std::vector<float*> prow, orow;
   std::vector<int64_t> skipped;
+  int n_kept[2], j_end[2];
 };
 
 template <typename T>
@@ -252,7 +270,9 @@ class Kernel {
     const int64_t offset = kv_len - q_len;
     const int n_trials = static_cast<int>(p.T);
     sc.q.resize(static_cast<size_t>(M) * D);
-    sc.s.resize(static_cast<size_t>(M) * kTileK);
+    sc.s.resize(static_cast<size_t>(2) * M * kTileK);
+    sc.kept_g.resize(static_cast<size_t>(2) * M);
+    sc.kept_m.resize(static_cast<size_t>(2) * M);
     sc.o.assign(static_cast<size_t>(M) * D, 0.f);
     sc.mx.assign(M, kNegInf);
     sc.l.assign(M, 0.f);
@@ -263,9 +283,10 @@ class Kernel {
     sc.skipped.assign(std::max(n_trials, 1), 0);
     sc.prow.resize(M);
     sc.orow.resize(M);
-    sc.vrow.resize(kTileK);
-    sc.kbuf.resize(sizeof(T) * kChunks * kChunk * D);
-    sc.vbuf.resize(sizeof(T) * kTileK * D);
+    sc.vrow.resize(2 * kTileK);
+    sc.kbuf.resize(sizeof(T) * kTileK * D);
+    sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
+    sc.vbuf.resize(sizeof(T) * 2 * kTileK * D);
 
     const T* qp = static_cast<const T*>(p.q);
     for (int r = 0; r < n_rows; ++r) {
@@ -292,48 +313,21 @@ class Kernel {
     if (t_begin > 0 && t_begin < t_end) {
       // Anchor: this split's reference max is seeded with each row's tile-0 max (no exp, no P·V for it here).
       const int m_lo = first_active(sc, M, 0);
-      scores(it, sc, 0, m_lo, M);
+      scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
       for (int m = m_lo; m < M; ++m) sc.g0[m] = row_max(sc.s.data() + static_cast<size_t>(m) * kTileK);
     }
+    // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V),
+    // and A's score loop prefetches the K of tile t + 1 and the V rows tile t - 1 kept, so memory streams while
+    // the core computes. Stage B runs in tile order, so the online softmax is exactly the sequential one.
+    int pending = -1;
     for (int t = t_begin; t < t_end; ++t) {
-      const int64_t kstart = static_cast<int64_t>(t) * kTileK;
-      // Rows are sorted by position: the rows that visit tile t are a suffix.
-      const int m_lo = kstart <= first_pos ? 0 : first_active(sc, M, kstart);
-      if (m_lo >= M) continue;
-      scores(it, sc, t, m_lo, M);
-      int n_kept = 0;
-      int j_end = 0;  // V rows 0..j_end-1 of the tile are needed by some kept row
-      if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
-      for (int m = m_lo; m < M; ++m) {
-        float* s = sc.s.data() + static_cast<size_t>(m) * kTileK;
-        const float g = row_max(s);
-        bool keep = true;
-        if (t == 0) {
-          sc.g0[m] = g;
-          sc.srun[m] = g;
-        } else {
-          const float ref = std::max(sc.g0[m], sc.srun[m]);
-          const float gap = g - ref;
-          sc.srun[m] = std::max(sc.srun[m], g);
-          if (p.log_sf != nullptr) {
-            const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
-            for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
-            keep = p.calibrate || !(gap < lnl[0]);
-          }
-        }
-        if (!keep) continue;
-        const int nj = static_cast<int>(std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart)));
-        j_end = std::max(j_end, nj);
-        online_softmax_row(sc, m, s, g, D);
-        sc.prow[n_kept] = s;
-        sc.orow[n_kept] = sc.o.data() + static_cast<size_t>(m) * D;
-        ++n_kept;
-      }
-      if (n_kept == 0) continue;
-      const T** vrow = reinterpret_cast<const T**>(sc.vrow.data());
-      value_rows(it, sc, kstart, j_end, vrow);
-      pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, j_end, D);
+      const int slot = t & 1;
+      const int npf = prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D);
+      stage_scores(it, sc, t, slot, M, first_pos, npf);
+      if (pending >= 0) stage_values(sc, pending, D);
+      pending = sc.n_kept[slot] > 0 ? slot : -1;
     }
+    if (pending >= 0) stage_values(sc, pending, D);
 
     if (p.log_sf != nullptr) {
       for (int tr = 0; tr < n_trials; ++tr) {
@@ -395,6 +389,102 @@ class Kernel {
  private:
   const Params& p_;
 
+  // Stage A of tile t: scores of the rows that visit it, each row's decision, counts, the kept rows (slot).
+  void stage_scores(const Item& it, Scratch& sc, int t, int slot, int M, int first_pos, int npf) const {
+    const Params& p = p_;
+    const int n_trials = static_cast<int>(p.T);
+    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t kstart = static_cast<int64_t>(t) * kTileK;
+    sc.n_kept[slot] = 0;
+    // Rows are sorted by position: the rows that visit tile t are a suffix.
+    const int m_lo = kstart <= first_pos ? 0 : first_active(sc, M, kstart);
+    if (m_lo >= M) return;
+    float* sbase = sc.s.data() + static_cast<size_t>(slot) * M * kTileK;
+    scores(it, sc, t, m_lo, M, sbase, npf);
+    int n_kept = 0;
+    int j_end = 0;  // V rows 0..j_end-1 of the tile are needed by some kept row
+    int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
+    float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
+    if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
+    for (int m = m_lo; m < M; ++m) {
+      const float g = row_max(sbase + static_cast<size_t>(m) * kTileK);
+      bool keep = true;
+      if (t == 0) {
+        sc.g0[m] = g;
+        sc.srun[m] = g;
+      } else {
+        const float ref = std::max(sc.g0[m], sc.srun[m]);
+        const float gap = g - ref;
+        sc.srun[m] = std::max(sc.srun[m], g);
+        if (p.log_sf != nullptr) {
+          const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
+          for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
+          keep = p.calibrate || !(gap < lnl[0]);
+        }
+      }
+      if (!keep) continue;
+      const int64_t visible = std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart));
+      j_end = std::max(j_end, static_cast<int>(visible));
+      kept_m[n_kept] = m;
+      kept_g[n_kept] = g;
+      ++n_kept;
+    }
+    sc.n_kept[slot] = n_kept;
+    sc.j_end[slot] = j_end;
+    if (n_kept == 0) return;  // a tile every row drops: its V is never read
+    const T** vrow = reinterpret_cast<const T**>(sc.vrow.data()) + slot * kTileK;
+    value_rows(it, sc, kstart, j_end, vrow, slot);
+  }
+
+  // Stage B: online softmax (exp) and P·V of the rows that kept the tile held in `slot`.
+  void stage_values(Scratch& sc, int slot, int D) const {
+    const int M = static_cast<int>(sc.kept_m.size() / 2);
+    const int n_kept = sc.n_kept[slot];
+    float* sbase = sc.s.data() + static_cast<size_t>(slot) * M * kTileK;
+    const int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
+    const float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
+    for (int i = 0; i < n_kept; ++i) {
+      const int m = kept_m[i];
+      float* s = sbase + static_cast<size_t>(m) * kTileK;
+      online_softmax_row(sc, m, s, kept_g[i], D);
+      sc.prow[i] = s;
+      sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
+    }
+    const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
+    pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
+  }
+
+  // Cache lines to prefetch during tile t's score loop: K of tile `next_t` (in place only) and the V rows kept by
+  // the tile in `pending_slot` (read by stage B right after). Returns the list length.
+  int prefetch_list(const Item& it, Scratch& sc, int next_t, int pending_slot, int D) const {
+    const Params& p = p_;
+    const int cap = static_cast<int>(sc.pf.size());
+    const char** pf = sc.pf.data();
+    int n = 0;
+    if (next_t >= 0 && p.k_direct) {
+      const int64_t kv_len = p.kvlen[it.b];
+      const int64_t bytes = static_cast<int64_t>(p.kc) * sizeof(T);
+      const int64_t stride = p.sk3 * static_cast<int64_t>(sizeof(T));
+      for (int c = 0; c < kTileK / p.kc; ++c) {
+        const int64_t key0 = static_cast<int64_t>(next_t) * kTileK + c * p.kc;
+        if (key0 >= kv_len) break;
+        const char* base = reinterpret_cast<const char*>(key_base(it.b, it.kvh, key0));
+        for (int d = 0; d < D; ++d) {
+          for (int64_t off = 0; off < bytes && n < cap; off += 64) pf[n++] = base + d * stride + off;
+        }
+      }
+    }
+    if (pending_slot >= 0 && p.v_direct) {
+      const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + pending_slot * kTileK;
+      const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
+      for (int j = 0; j < sc.j_end[pending_slot]; ++j) {
+        const char* row = reinterpret_cast<const char*>(vrow[j]);
+        for (int64_t off = 0; off < bytes && n < cap; off += 64) pf[n++] = row + off;
+      }
+    }
+    return n;
+  }
+
   // ln λ of a row for every trial, copied for its `group` heads: docs/skip_softmax.md "λ of a row".
   void row_log_lambdas(int b, int32_t pos, float* dst, int group) const {
     const Params& p = p_;
@@ -441,37 +531,51 @@ class Kernel {
 
   // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
   // each row's causal limit.
-  void scores(const Item& it, Scratch& sc, int t, int m_lo, int M) const {
+  void scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
+    // Few rows (decode, GQA group): 3 rows x 32 keys per step; many rows (prefill): 6 rows x 16 keys.
+    if (p_.kc == 32 && M - m_lo <= 4) {
+      scores_nv<4>(it, sc, t, m_lo, M, sbase, npf);
+    } else {
+      scores_nv<2>(it, sc, t, m_lo, M, sbase, npf);
+    }
+  }
+
+  template <int NV>
+  void scores_nv(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
+    constexpr int kc = 8 * NV;
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     const int64_t kv_len = p.kvlen[it.b];
     const int64_t kstart = static_cast<int64_t>(t) * kTileK;
     const int rows = M - m_lo;
     const float* q = sc.q.data() + static_cast<size_t>(m_lo) * D;
-    float* s = sc.s.data() + static_cast<size_t>(m_lo) * kTileK;
-    for (int c = 0; c < kChunks; ++c) {
-      const int64_t key0 = kstart + c * kChunk;
-      if (key0 >= kv_len) break;  // never read a chunk past kv_len (its page may not exist)
+    float* s = sbase + static_cast<size_t>(m_lo) * kTileK;
+    const int per_chunk = kPrefetchPerStep * D;
+    for (int c = 0; c < kTileK / kc; ++c) {
+      const int64_t key0 = kstart + c * kc;
+      if (key0 >= kv_len) break;  // never read a column block past kv_len (its page may not exist)
+      const char* const* pf = sc.pf.data() + static_cast<size_t>(c) * per_chunk;
+      const int n_pf = std::max(0, std::min(per_chunk, npf - c * per_chunk));
       if (p.k_direct) {
-        qk_rows<T>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kChunk);
+        qk_rows<T, NV>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kc, pf, n_pf);
       } else {
-        T* buf = reinterpret_cast<T*>(sc.kbuf.data()) + static_cast<size_t>(c) * kChunk * D;
-        for (int jj = 0; jj < kChunk; ++jj) {
+        T* buf = reinterpret_cast<T*>(sc.kbuf.data()) + static_cast<size_t>(c) * kc * D;
+        for (int jj = 0; jj < kc; ++jj) {
           const int64_t key = key0 + jj;
           if (key < kv_len) {
             const T* src = key_base(it.b, it.kvh, key);
-            for (int d = 0; d < D; ++d) buf[d * kChunk + jj] = src[d * p.sk3];
+            for (int d = 0; d < D; ++d) buf[d * kc + jj] = src[d * p.sk3];
           } else {
-            for (int d = 0; d < D; ++d) buf[d * kChunk + jj] = T(0.f);
+            for (int d = 0; d < D; ++d) buf[d * kc + jj] = T(0.f);
           }
         }
-        qk_rows<T>(q, D, rows, buf, kChunk, s + c * kChunk);
+        qk_rows<T, NV>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
       }
     }
     const v8f scale = splat(p.scale);
     const v8f ninf = splat(kNegInf);
     for (int m = m_lo; m < M; ++m) {
-      float* sr = sc.s.data() + static_cast<size_t>(m) * kTileK;
+      float* sr = sbase + static_cast<size_t>(m) * kTileK;
       // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
       const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
       for (int j = 0; j < kTileK; j += 8) {
@@ -509,14 +613,14 @@ class Kernel {
   }
 
   // Pointers to V rows kstart .. kstart + nj - 1 (all < kv_len), in place or repacked.
-  void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const T** vrow) const {
+  void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const T** vrow, int slot) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     if (p.v_direct) {
       for (int j = 0; j < nj; ++j) vrow[j] = value_base(it.b, it.kvh, kstart + j);
       return;
     }
-    T* buf = reinterpret_cast<T*>(sc.vbuf.data());
+    T* buf = reinterpret_cast<T*>(sc.vbuf.data()) + static_cast<size_t>(slot) * kTileK * D;
     for (int j = 0; j < nj; ++j) {
       const T* src = value_base(it.b, it.kvh, kstart + j);
       T* dst = buf + static_cast<size_t>(j) * D;
@@ -579,7 +683,7 @@ void run(const Params& p) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch sc;
+    static thread_local Scratch sc;
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) kernel.run_item(items[i], sc, ws.data());
     }
@@ -661,7 +765,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.so2 = out.stride(2);
   p.scale = static_cast<float>(softmax_scale);
   p.calibrate = calibrate;
-  p.k_direct = p.sk1 == 1 && p.page % kChunk == 0;
+  p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
+  p.k_direct = p.sk1 == 1 && p.page % p.kc == 0;
   p.v_direct = p.sv3 == 1;
 
   at::Tensor counts;
