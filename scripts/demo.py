@@ -49,14 +49,15 @@ def private_checkpoint(src: Path, dst: Path) -> Path:
 
 
 def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
-    """Run the calibration example on a few short prompts (in-process engine) and update `ckpt`'s config."""
+    """Run the calibration example on a few short prompts (vLLM's default multi-process engine, as a user runs it)
+    and update `ckpt`'s config."""
     output = out_dir / "sparse_attention_config.json"
     cmd = [
         python, str(EXAMPLES / "calibrate_sparse_attn.py"), str(ckpt),
         "--target_sparse_ratio", str(target), "--calib_samples", "4", "--calib_max_seqlen", "1024",
         "--decode_tokens", "8", "--dtype", "float32", "--output", str(output), "--update_checkpoint_config",
     ]  # fmt: skip
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     log.info("calibrating: %s", " ".join(cmd))
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     t_cal = time.monotonic() - t0
     block = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
     scale = block["config_groups"]["group_0"]["threshold_scale_factor"]
-    print(f"calibrated in {t_cal:.0f} s -> {config_path} (plot: {config_path.with_suffix('.png')})")
+    print(f"calibrated in {t_cal:.0f} s -> {config_path} (plot: {config_path.with_suffix('.png')}, raw records: "
+          f"{config_path.with_name(config_path.stem + '.records.npz')})")
     for phase in ("prefill", "decode"):
         print(f"  {phase:7s}: scale_factor = {scale[phase]['a']:.4g} * exp({scale[phase]['b']:.4g} * s)")
 

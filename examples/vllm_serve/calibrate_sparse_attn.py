@@ -3,58 +3,101 @@
 
     python examples/vllm_serve/calibrate_sparse_attn.py <ckpt> --target_sparse_ratio 0.5 \
         [--attention_backend FLASHINFER] [--tensor_parallel_size N] [--update_checkpoint_config]
+    python examples/vllm_serve/calibrate_sparse_attn.py <ckpt> --refit_from sparse_attention_config.records.npz \
+        --target_sparse_ratio prefill=0.6,decode=0.4      # a new fit from kept records, no engine
 
 Every attention layer runs in calibration mode (dense output; per sequence the visited/skipped tile counts of
-each scale-factor trial). Counts are merged over layers and tensor-parallel ranks by raw counts, the law
-`scale_factor = a * exp(b * sparsity)` is fitted per phase (prefill, decode), and the ModelOpt-schema block is
-written to ./sparse_attention_config.json (with a PNG of the fit beside it) and, with
---update_checkpoint_config, into <ckpt>/config.json (atomically, with a backup).
+each scale-factor trial). Counts are merged over layers and tensor-parallel ranks by raw counts, the law is
+fitted per phase (prefill, decode), and the ModelOpt-schema block is written to ./sparse_attention_config.json,
+with a PNG of the fit and the raw records (`.records.npz`: per sequence-step its law length, phase and counts of
+every trial) beside it, and, with --update_checkpoint_config, into <ckpt>/config.json (atomically, with a backup).
+
+Every argument is checked before the engine starts; a mistake ends the run with one line naming the argument and
+the fix. SIGINT / SIGTERM shut the engine (and its processes) down and write nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # engine_setup, sparse_attn_worker
+
+import engine_setup  # noqa: E402
+
 logger = logging.getLogger("calibrate_sparse_attn")
 
+PHASES = ("prefill", "decode")
+# vLLM names ZMQ sockets <tmp>/<uuid4>; a socket path has at most 107 bytes: <= 57 + "/mxc_xxxxxxxx/" + 36.
+MAX_TMPDIR_LEN = 57
+WRITTEN: list[Path] = []  # files this run has written, for an honest message when it is interrupted
+DEFAULT_MAX_SEQLEN = 16384
+DENSE = "dense"
 
-def parse_targets(text: str) -> dict[str, float]:
-    """'0.5' -> both phases; 'prefill=0.5,decode=0.3' -> per phase."""
-    targets = {}
+
+class ArgumentError(SystemExit):
+    """A user mistake: one line on stderr (`error: <argument>: <problem>; <fix>`), exit status 2, no traceback."""
+
+    def __init__(self, argument: str, problem: str, fix: str = ""):
+        self.text = f"error: {argument}: {problem}" + (f"; {fix}" if fix else "")
+        super().__init__(self.text)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line too
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_targets(text: str) -> dict[str, float | None]:
+    """'0.5' -> both phases; 'prefill=0.5,decode=0.3' -> per phase; 'decode=dense' leaves decode dense (None)."""
+    targets: dict[str, float | None] = {}
     for part in text.split(","):
         if "=" in part:
-            phase, value = part.split("=", 1)
-            phase = phase.strip()
+            phase, value = (s.strip() for s in part.split("=", 1))
         else:
-            phase, value = None, part
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--target_sparse_ratio: {value!r} is not a number") from None
-        if not 0.0 <= number < 1.0:
-            raise argparse.ArgumentTypeError(f"--target_sparse_ratio must lie in [0, 1), got {number}")
-        for p in ((phase,) if phase else ("prefill", "decode")):
-            if p not in ("prefill", "decode"):
+            phase, value = None, part.strip()
+        for p in (phase,) if phase else PHASES:
+            if p not in PHASES:
                 raise argparse.ArgumentTypeError(f"--target_sparse_ratio: unknown phase {p!r} (prefill, decode)")
+        if value == DENSE:
+            number = None
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--target_sparse_ratio: {value!r} is not a number (or 'dense')"
+                ) from None
+            if not 0.0 <= number < 1.0:
+                raise argparse.ArgumentTypeError(f"--target_sparse_ratio must lie in [0, 1), got {number}")
+        for p in (phase,) if phase else PHASES:
             targets[p] = number
     return targets
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer)")
     p.add_argument("--target_sparse_ratio", type=parse_targets, default=parse_targets("0.5"),
-                   help="target sparsity: one number for both phases or 'prefill=0.5,decode=0.3' (default 0.5)")
+                   help="target sparsity: one number for both phases, or 'prefill=0.5,decode=0.3' (every phase "
+                        "needs one; 'decode=dense' leaves a phase dense). Default 0.5")
     p.add_argument("--calib_data_dir", default=None, help="optional folder of essay .txt files as extra haystacks")
     p.add_argument("--calib_samples", type=int, default=24, help="number of calibration prompts (default 24)")
-    p.add_argument("--calib_max_seqlen", type=int, default=16384, help="longest calibration prompt in tokens")
+    p.add_argument("--calib_max_seqlen", type=int, default=None,
+                   help=f"longest calibration prompt in tokens (default {DEFAULT_MAX_SEQLEN}, or less when the "
+                        "model's context is shorter)")
     p.add_argument("--calib_min_seqlen", type=int, default=None, help="shortest calibration prompt in tokens")
     p.add_argument("--decode_tokens", type=int, default=32, help="decode steps per prompt (calibrates decode)")
     p.add_argument("--prompts_file", default=None, help="text (one prompt per line) or JSONL with 'prompt'; "
@@ -73,44 +116,161 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="sparse_attention_config.json", help="where to write the config block")
     p.add_argument("--update_checkpoint_config", action="store_true",
                    help="also write the block into <checkpoint>/config.json (atomically, with a backup)")
+    p.add_argument("--refit_from", default=None, metavar="RECORDS_NPZ",
+                   help="fit from raw records kept by an earlier run (<output>.records.npz) instead of running "
+                        "an engine")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def _prompts(args, tokenizer):
-    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import (
-        build_calibration_prompts,
-        load_prompts_file,
-        samples_from_prompts,
+# ----------------------------------------------------------------------------------------------- checks (no engine)
+
+
+@dataclass
+class Plan:
+    """What the checks established, for the run."""
+
+    ckpt: Path
+    model_config: dict
+    targets: dict[str, float | None]
+    output: Path
+    records: Path
+    engine_kwargs: dict = field(default_factory=dict)
+    scale_factors: list[float] = field(default_factory=list)
+    prompts: list[str] | None = None
+    max_seqlen: int = DEFAULT_MAX_SEQLEN
+    context: tuple[int, str] | None = None
+
+
+def _writable_dir(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def _check_checkpoint(args) -> tuple[Path, dict]:
+    ckpt = Path(args.checkpoint).resolve()
+    config_path = ckpt / "config.json"
+    if not config_path.is_file():
+        raise ArgumentError("checkpoint", f"{ckpt} is not a Hugging Face checkpoint directory (no config.json)",
+                            "pass the folder that holds config.json, the weights and the tokenizer")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArgumentError("checkpoint", f"cannot read {config_path}: {exc}", "fix or restore config.json") from None
+    if not isinstance(config, dict):
+        raise ArgumentError("checkpoint", f"{config_path} is not a JSON object", "fix or restore config.json")
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        SparseAttentionConfigError,
+        load_sparse_attention_config,
     )
 
-    if args.prompts_file:
-        return samples_from_prompts(tokenizer, load_prompts_file(args.prompts_file))
-    return build_calibration_prompts(
-        tokenizer, num_samples=args.calib_samples, max_seqlen=args.calib_max_seqlen,
-        min_seqlen=args.calib_min_seqlen, seed=args.seed, data_dir=args.calib_data_dir,
-    )
+    try:  # the engine's workers would refuse a malformed block at load; say it now
+        load_sparse_attention_config(config_path)
+    except SparseAttentionConfigError as exc:
+        raise ArgumentError("checkpoint", f"its sparse_attention_config is invalid: {exc}",
+                            "fix or remove the block in config.json, then calibrate again") from None
+    if args.update_checkpoint_config:
+        if not _writable_dir(ckpt) or not os.access(config_path, os.W_OK):
+            raise ArgumentError("--update_checkpoint_config", f"{ckpt} is read-only here (config.json and its "
+                                "folder must be writable for the atomic write and the backup)",
+                                "copy the checkpoint to a writable folder, or drop --update_checkpoint_config "
+                                "and use the written --output file")
+    return ckpt, config
 
 
-def _check_args(args) -> dict:
-    """Everything that can be wrong before the model loads: fail here, with the fix in the message."""
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise SystemExit(f"error: {ckpt} is not a Hugging Face checkpoint directory (no config.json)")
+def _check_targets(args) -> dict[str, float | None]:
+    targets = dict(args.target_sparse_ratio)
+    missing = [p for p in PHASES if p not in targets]
+    if missing:
+        phase = missing[0]
+        raise ArgumentError("--target_sparse_ratio", f"no target for {phase}",
+                            f"give one number for both phases, or add {phase}=<ratio> ({phase}={DENSE} leaves "
+                            f"{phase} dense)")
+    if all(t is None for t in targets.values()):
+        raise ArgumentError("--target_sparse_ratio", "every phase is dense: nothing to calibrate",
+                            "give a target for at least one phase")
+    return targets
+
+
+def _check_output(args) -> tuple[Path, Path]:
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import records_path_for
+
+    output = Path(args.output).resolve()
+    if output.is_dir():
+        raise ArgumentError("--output", f"{output} is a directory",
+                            "pass a file name, e.g. <dir>/sparse_attention_config.json")
+    if not output.parent.is_dir():
+        raise ArgumentError("--output", f"folder {output.parent} does not exist", "create it or pick another path")
+    if not _writable_dir(output.parent):
+        raise ArgumentError("--output", f"folder {output.parent} is not writable", "pick a writable path")
+    return output, records_path_for(output)
+
+
+def _check_prompts_file(path_text: str) -> list[str]:
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import load_prompts_file
+
+    path = Path(path_text)
+    fix = 'give a text file (one prompt per line) or JSONL (one {"prompt": "..."} object per line)'
+    if not path.exists():
+        raise ArgumentError("--prompts_file", f"{path} does not exist", fix)
+    if not path.is_file():
+        raise ArgumentError("--prompts_file", f"{path} is not a file", fix)
+    if path.suffix == ".json":
+        raise ArgumentError("--prompts_file", f"{path} is a .json file, read neither as JSONL nor as text", fix)
+    try:
+        prompts = load_prompts_file(path)
+    except UnicodeDecodeError:
+        raise ArgumentError("--prompts_file", f"{path} is not UTF-8 text", fix) from None
+    except (OSError, ValueError) as exc:
+        raise ArgumentError("--prompts_file", str(exc), fix) from None
+    return prompts
+
+
+def _check_lengths(args, config: dict) -> tuple[int, tuple[int, str] | None]:
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import target_lengths
+
     if args.decode_tokens < 1:
-        raise SystemExit("error: --decode_tokens must be >= 1 (decode needs at least one step to calibrate)")
+        raise ArgumentError("--decode_tokens", f"must be >= 1, got {args.decode_tokens}",
+                            "decode needs at least one step to calibrate (--decode_tokens must be >= 1)")
     if args.calib_samples < 1:
-        raise SystemExit("error: --calib_samples must be >= 1")
+        raise ArgumentError("--calib_samples", f"must be >= 1, got {args.calib_samples}", "--calib_samples 24")
+    context = engine_setup.model_context_length(config)
+    limit = None if context is None else context[0] - args.decode_tokens
+    if args.calib_max_seqlen is None:
+        max_seqlen = DEFAULT_MAX_SEQLEN if limit is None else min(DEFAULT_MAX_SEQLEN, limit)
+    else:
+        max_seqlen = args.calib_max_seqlen
+        if limit is not None and max_seqlen > limit and not args.prompts_file:
+            raise ArgumentError("--calib_max_seqlen", f"{max_seqlen} plus --decode_tokens {args.decode_tokens} "
+                                f"exceeds the model's context ({context[1]} in config.json)",
+                                f"lower --calib_max_seqlen to {limit} or less")
+    if not args.prompts_file:
+        try:
+            target_lengths(max_seqlen, args.calib_min_seqlen)
+        except ValueError as exc:
+            raise ArgumentError("--calib_min_seqlen" if args.calib_min_seqlen else "--calib_max_seqlen", str(exc),
+                                "--calib_min_seqlen must be <= --calib_max_seqlen and both >= 2") from None
+    if args.max_model_len is not None:
+        if args.max_model_len < 2:
+            raise ArgumentError("--max_model_len", f"must be >= 2, got {args.max_model_len}", "leave it unset")
+        if context is not None and args.max_model_len > context[0]:
+            raise ArgumentError("--max_model_len", f"{args.max_model_len} exceeds the model's context "
+                                f"({context[1]} in config.json)", f"use {context[0]} or less, or leave it unset")
+    return max_seqlen, context
+
+
+def _check_engine_kwargs(args) -> dict:
     try:
         engine_kwargs = json.loads(args.engine_kwargs)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"error: --engine_kwargs is not valid JSON: {exc}") from None
+        raise ArgumentError("--engine_kwargs", f"--engine_kwargs is not valid JSON ({exc})",
+                            "pass a JSON object, e.g. '{\"gpu_memory_utilization\": 0.8}'") from None
     if not isinstance(engine_kwargs, dict):
-        raise SystemExit("error: --engine_kwargs must be a JSON object, e.g. '{\"gpu_memory_utilization\": 0.8}'")
+        raise ArgumentError("--engine_kwargs", "must be a JSON object",
+                            "pass e.g. '{\"gpu_memory_utilization\": 0.8}'")
     return engine_kwargs
 
 
-def _scale_factors(args) -> list[float]:
+def _check_scale_factors(args) -> list[float]:
     from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import default_threshold_trials
 
     if not args.scale_factors:
@@ -118,10 +278,216 @@ def _scale_factors(args) -> list[float]:
     try:
         values = [float(v) for v in args.scale_factors.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"error: --scale_factors must be comma-separated numbers: {args.scale_factors!r}") from None
-    if len(values) < 3 or any(v <= 0 for v in values):
-        raise SystemExit("error: --scale_factors needs at least 3 positive values")
+        raise ArgumentError("--scale_factors", f"--scale_factors must be comma-separated numbers: "
+                            f"{args.scale_factors!r}", "e.g. --scale_factors 0.1,1,10,100,1000") from None
+    if len(values) < 3 or any(not (v > 0 and math.isfinite(v)) for v in values):
+        raise ArgumentError("--scale_factors", "needs at least 3 positive values", "e.g. 0.1,1,10,100,1000")
     return sorted(values)
+
+
+def _check_parallel_and_kernels(args, config: dict) -> None:
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ArgumentError("--tensor_parallel_size", f"must be >= 1, got {tp}", "use 1 or the number of GPUs")
+    problem = engine_setup.tensor_parallel_problem(config, tp)
+    if problem:
+        raise ArgumentError("--tensor_parallel_size", problem)
+    if args.kernel_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgumentError("--kernel_backend", "triton needs a CUDA GPU and none is available here",
+                                "use --kernel_backend auto (or torch): the PyTorch reference runs on any device")
+
+
+def check_args(args) -> Plan:
+    """Everything that can be wrong before the engine starts; an ArgumentError (one line, the fix) if anything is."""
+    ckpt, config = _check_checkpoint(args)
+    targets = _check_targets(args)
+    output, records = _check_output(args)
+    if args.refit_from:
+        path = Path(args.refit_from)
+        if not path.is_file():
+            raise ArgumentError("--refit_from", f"{path} does not exist",
+                                "pass the .records.npz an earlier calibration wrote beside its config")
+        return Plan(ckpt, config, targets, output, records)
+    max_seqlen, context = _check_lengths(args, config)
+    if args.calib_data_dir and not Path(args.calib_data_dir).is_dir():
+        raise ArgumentError("--calib_data_dir", f"{args.calib_data_dir} is not a folder",
+                            "pass a folder of .txt essays, or leave it out")
+    prompts = _check_prompts_file(args.prompts_file) if args.prompts_file else None
+    engine_kwargs = _check_engine_kwargs(args)
+    scale_factors = _check_scale_factors(args)
+    _check_parallel_and_kernels(args, config)
+    return Plan(ckpt, config, targets, output, records, engine_kwargs, scale_factors, prompts, max_seqlen, context)
+
+
+# ---------------------------------------------------------------------------------------------------- the engine
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM arrived: unwind, shut the engine down, write nothing."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGINT raise `Interrupted` in the main thread (Python's default SIGTERM kills the process without
+    unwinding, which left vLLM's EngineCore and workers running)."""
+
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def shutdown_engine(llm) -> None:
+    """Stop the engine's processes now (EngineCore, workers), not at garbage collection."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def reap_children(grace: float = 10.0) -> list[int]:
+    """After the engine's own shutdown: end any child process of ours still alive (by PID; SIGTERM, then SIGKILL
+    after `grace` seconds). Returns their PIDs. multiprocessing's resource tracker is left to exit with us."""
+    try:
+        import psutil
+    except ImportError:  # vLLM depends on psutil; without it there is nothing more to do here
+        return []
+    me = psutil.Process()
+    deadline = time.monotonic() + grace
+    while True:
+        left = [p for p in me.children(recursive=True) if _is_engine_process(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(left, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [p.pid for p in left]
+
+
+def _is_engine_process(proc) -> bool:
+    import psutil
+
+    try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return "resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _llm_kwargs(args, plan: Plan, max_model_len: int) -> dict:
+    from sparse_attn_worker import default_worker_cls
+
+    kwargs = dict(
+        model=str(plan.ckpt), dtype=args.dtype, max_model_len=max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True, enable_prefix_caching=False,
+        seed=args.seed, worker_cls=default_worker_cls(),
+    )  # fmt: skip
+    if args.attention_backend:
+        kwargs["attention_backend"] = args.attention_backend
+    kwargs.update(plan.engine_kwargs)
+    return kwargs
+
+
+def _prepare_environment(args) -> None:
+    """Worker processes import the worker module from this folder; the CPU engine gets a capped KV cache and, with
+    tensor parallelism, a CPU binding that works without one NUMA node per worker."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM otherwise claims most of the RAM
+    try:
+        bind = engine_setup.set_cpu_threads_bind(os.environ, args.tensor_parallel_size)
+    except ValueError as exc:
+        raise ArgumentError("--tensor_parallel_size", str(exc), "lower --tensor_parallel_size") from None
+    if bind:
+        logger.info("CPU engine with %d workers: %s=%s", args.tensor_parallel_size, engine_setup.ENV_CPU_BIND, bind)
+    if args.attention_backend and args.attention_backend.upper() != "CPU_ATTN":
+        logger.info("--attention_backend %s: vLLM's CPU engine uses CPU_ATTN instead", args.attention_backend)
+
+
+def run_engine(args, plan: Plan, samples, max_model_len: int) -> list:
+    """Start the engine, run the prompts in calibration mode, return every rank's records (wire form). Always
+    shuts the engine down; raises `Interrupted` on SIGINT / SIGTERM."""
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    llm = None
+    with _private_tmpdir(), contextlib.ExitStack() as stop:
+        stop.callback(_stop_engine, lambda: llm)
+        llm = LLM(**_llm_kwargs(args, plan, max_model_len))
+        status = llm.collective_rpc("sparse_attn_enable_calibration", args=(plan.scale_factors, args.kernel_backend))
+        logger.info("calibration mode on %s layer(s) per rank, %d rank(s) (%s)", status[0]["layers"], len(status),
+                    ", ".join(status[0]["native_impls"]))
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        for sample in tqdm(samples, desc="calibrating", unit="prompt"):
+            llm.generate([sample.prompt], params, use_tqdm=False)
+        logger.info("ran %d prompts in %.1f s", len(samples), time.perf_counter() - start)
+        return llm.collective_rpc("sparse_attn_collect_counts")
+
+
+def _stop_engine(get_llm) -> None:
+    with _signals_ignored():  # a second Ctrl-C must not cut the shutdown short
+        llm = get_llm()
+        if llm is not None:
+            shutdown_engine(llm)
+        reaped = reap_children()
+        if reaped:
+            logger.warning("ended %d engine process(es) that outlived the engine's shutdown: %s", len(reaped), reaped)
+
+
+@contextlib.contextmanager
+def _private_tmpdir():
+    """The engine's temporary files (ZMQ sockets, torch.distributed's file store, ...) in a folder of our own,
+    removed after the engine is down: vLLM leaves some of them behind, all of them when it is interrupted."""
+    base = tempfile.gettempdir()
+    if len(base) > MAX_TMPDIR_LEN and os.access("/tmp", os.W_OK | os.X_OK):
+        base = "/tmp"  # ZMQ's ipc:// socket paths must stay under 108 bytes
+    path = tempfile.mkdtemp(prefix="mxc_", dir=base)
+    saved_env, saved_cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved_cached
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ fit and write
 
 
 def _attention_classes(ckpt: Path) -> list[str]:
@@ -136,50 +502,12 @@ def _attention_classes(ckpt: Path) -> list[str]:
     return names or ["Attention"]
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_kwargs = _check_args(args)
-    ckpt = Path(args.checkpoint).resolve()
-    scale_factors = _scale_factors(args)
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    samples = _prompts(args, tokenizer)
-    longest = max(s.num_tokens for s in samples)
-    max_model_len = args.max_model_len or longest + args.decode_tokens
-    if longest + args.decode_tokens > max_model_len:
-        raise SystemExit(
-            f"error: --max_model_len {max_model_len} is shorter than the longest calibration prompt ({longest} tokens)"
-            f" plus --decode_tokens {args.decode_tokens}; raise --max_model_len or lower --calib_max_seqlen"
-        )
-    logger.info("%d calibration prompts, %d..%d tokens; %d scale-factor trials", len(samples),
-                min(s.num_tokens for s in samples), longest, len(scale_factors))
-
-    # The worker module must import in vLLM's worker processes too.
-    sys.path.insert(0, str(HERE))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    from sparse_attn_worker import default_worker_cls
-    from vllm import LLM, SamplingParams
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
-    llm_kwargs = dict(
-        model=str(ckpt), dtype=args.dtype, max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-        enforce_eager=True, enable_prefix_caching=False, seed=args.seed, worker_cls=default_worker_cls(),
-    )
-    if args.attention_backend:
-        llm_kwargs["attention_backend"] = args.attention_backend
-    llm_kwargs.update(engine_kwargs)
-    llm = LLM(**llm_kwargs)
-
-    from tqdm import tqdm
-
+def fit_and_write(args, plan: Plan, merged: dict) -> int:
+    """Fit every phase with a target from the merged record and write the config (and the checkpoint's)."""
     from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import (
         CalibrationFitError,
         fit_phases,
+        log_unreachable,
         plot_fit,
         points_from_merged_record,
     )
@@ -188,50 +516,143 @@ def main(argv=None) -> int:
         write_json_atomic,
         write_sparse_attention_config,
     )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
-        merge_calibration_records,
-    )
 
-    status = llm.collective_rpc("sparse_attn_enable_calibration", args=(scale_factors, args.kernel_backend))
-    logger.info("calibration mode on %s layer(s) per rank (%s)", status[0]["layers"],
-                ", ".join(status[0]["native_impls"]))
-    params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    for sample in tqdm(samples, desc="calibrating", unit="prompt"):
-        llm.generate([sample.prompt], params, use_tqdm=False)
-    logger.info("ran %d prompts in %.1f s", len(samples), time.perf_counter() - start)
-
-    merged = merge_calibration_records(llm.collective_rpc("sparse_attn_collect_counts"))
+    wanted = [p for p in PHASES if plan.targets.get(p) is not None]
     points = points_from_merged_record(merged)
+    points = {p: pts for p, pts in points.items() if p in wanted}
+    missing = [p for p in wanted if not points.get(p)]
+    if missing:
+        logger.error("no calibration points for %s, no config written: run prompts with decode steps "
+                     "(--decode_tokens) and prompts longer than one tile (64 tokens)", ", ".join(missing))
+        return 2
     try:
         fits = fit_phases(points)
     except CalibrationFitError as exc:
-        logger.error("calibration failed, nothing written: %s", exc)
+        logger.error("calibration failed, no config written: %s", exc)
         return 2
-    missing = [p for p in ("prefill", "decode") if p not in fits]
-    if missing:
-        logger.error("no calibration points for %s, nothing written: run prompts with decode steps "
-                     "(--decode_tokens) and prompts longer than one tile (64 tokens)", ", ".join(missing))
-        return 2
-
-    block = build_sparse_attention_config(fits, target_sparsity=args.target_sparse_ratio,
-                                          attention_classes=_attention_classes(ckpt))
-    output = write_json_atomic(Path(args.output), block)
+    targets = {p: plan.targets[p] for p in wanted}
+    classes = _attention_classes(plan.ckpt)
+    block = build_sparse_attention_config(fits, target_sparsity=targets, attention_classes=classes)
+    output = write_json_atomic(plan.output, block)
+    WRITTEN.append(output)
     try:
         plot_path = plot_fit(points, fits, output.with_suffix(".png"))
+        WRITTEN.append(plot_path)
     except ImportError as exc:  # the plot is a convenience; the config is what matters
         logger.warning("no plot written: %s", exc)
         plot_path = None
     for phase, fit in fits.items():
-        target = args.target_sparse_ratio[phase]
-        logger.info("%s: a=%.4g b=%.4g (R²=%.3f, %d points, observed sparsity %.2f..%.2f); target %.2f -> "
-                    "scale factor %.4g", phase, fit.a, fit.b, fit.r2, fit.n_points, *fit.sparsity_range, target,
-                    fit.scale_factor(target))
+        target = targets[phase]
+        logger.info("%s: a=%.4g b=%.4g γ=%.3f (R²=%.3f, %d points, observed sparsity %.2f..%.2f); target %.2f -> "
+                    "scale factor %.4g", phase, fit.a, fit.b, fit.length_exponent, fit.r2, fit.n_points,
+                    *fit.sparsity_range, target, fit.scale_factor(target))
+        log_unreachable(fit, target)
+    for phase in PHASES:
+        if phase not in wanted:
+            logger.info("%s: dense (no target)", phase)
     logger.info("wrote %s%s", output, f" and {plot_path}" if plot_path else "")
     if args.update_checkpoint_config:
-        logger.info("updated %s", write_sparse_attention_config(ckpt, block))
+        WRITTEN.append(write_sparse_attention_config(plan.ckpt, block))
+        logger.info("updated %s", WRITTEN[-1])
     return 0
 
 
+def _keep_records(args, plan: Plan, merged: dict, meta: dict) -> None:
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        save_calibration_records,
+    )
+
+    path = save_calibration_records(plan.records, merged, meta)
+    WRITTEN.append(path)
+    logger.info("kept the raw records (%d sequence-steps, %d trials) in %s; refit without an engine: "
+                "%s %s --refit_from %s", len(merged["kv_lens"]), len(merged["scale_factors"]), path,
+                Path(sys.argv[0]).name, plan.ckpt, path)
+
+
+def refit(args, plan: Plan) -> int:
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        load_calibration_records,
+        save_calibration_records,
+    )
+
+    source = Path(args.refit_from).resolve()
+    try:
+        merged, meta = load_calibration_records(source)
+    except (OSError, ValueError) as exc:
+        raise ArgumentError("--refit_from", str(exc), "pass a .records.npz written by this script") from None
+    logger.info("refitting from %s: %d sequence-steps, %d trials (recorded %s)", source, len(merged["kv_lens"]),
+                len(merged["scale_factors"]), meta.get("created", "-"))
+    code = fit_and_write(args, plan, merged)
+    if code == 0 and plan.records.resolve() != source:
+        WRITTEN.append(save_calibration_records(plan.records, merged, meta))  # beside the new config too
+    return code
+
+
+def calibrate(args, plan: Plan) -> int:
+    from transformers import AutoTokenizer
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import (
+        build_calibration_prompts,
+        samples_from_prompts,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        merge_calibration_records,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(plan.ckpt)
+    if plan.prompts is not None:
+        samples = samples_from_prompts(tokenizer, plan.prompts)
+    else:
+        samples = build_calibration_prompts(
+            tokenizer, num_samples=args.calib_samples, max_seqlen=plan.max_seqlen,
+            min_seqlen=args.calib_min_seqlen, seed=args.seed, data_dir=args.calib_data_dir,
+        )  # fmt: skip
+    longest = max(s.num_tokens for s in samples)
+    max_model_len = args.max_model_len or longest + args.decode_tokens
+    if longest + args.decode_tokens > max_model_len:
+        raise ArgumentError("--max_model_len", f"--max_model_len {max_model_len} is shorter than the longest "
+                            f"calibration prompt ({longest} tokens) plus --decode_tokens {args.decode_tokens}",
+                            "raise --max_model_len or lower --calib_max_seqlen")
+    if plan.context is not None and max_model_len > plan.context[0]:
+        raise ArgumentError("--prompts_file", f"the longest prompt ({longest} tokens) plus --decode_tokens "
+                            f"{args.decode_tokens} exceeds the model's context ({plan.context[1]})",
+                            "shorten the prompts or lower --decode_tokens")
+    logger.info("%d calibration prompts, %d..%d tokens; %d scale-factor trials", len(samples),
+                min(s.num_tokens for s in samples), longest, len(plan.scale_factors))
+
+    _prepare_environment(args)
+    ranks = run_engine(args, plan, samples, max_model_len)
+    merged = merge_calibration_records(ranks)
+    meta = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checkpoint": str(plan.ckpt),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "ranks": len(ranks),
+        "kernel_backend": args.kernel_backend,
+        "prompts": len(samples),
+        "decode_tokens": args.decode_tokens,
+        "argv": sys.argv[1:],
+    }
+    _keep_records(args, plan, merged, meta)
+    return fit_and_write(args, plan, merged)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        with _signals_interrupt():
+            plan = check_args(args)
+            return refit(args, plan) if args.refit_from else calibrate(args, plan)
+    except Interrupted as exc:
+        done = ", ".join(str(p) for p in WRITTEN) if WRITTEN else "nothing written"
+        logger.error("interrupted by %s: engine shut down, %s", exc, done)
+        return 128 + exc.signum
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ArgumentError as err:
+        print(err.text, file=sys.stderr)
+        sys.exit(2)

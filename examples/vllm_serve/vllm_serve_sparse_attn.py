@@ -63,6 +63,19 @@ def server_command(ckpt: Path, extra: list[str], worker_cls: str) -> list[str]:
     return cmd
 
 
+def tensor_parallel_size(args: list[str]) -> int:
+    """The `--tensor-parallel-size` / `-tp` among vLLM serve arguments (1 when absent or unreadable)."""
+    names = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name not in names:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        return int(value) if value.isdigit() else 1
+    return 1
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,7 +92,16 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if current_platform.is_cpu():
+        import engine_setup
+
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
+        tp = tensor_parallel_size(argv[1:])
+        try:  # vLLM's "auto" binding needs a NUMA node per worker
+            bind = engine_setup.set_cpu_threads_bind(env, tp)
+        except ValueError as exc:
+            raise SystemExit(f"error: --tensor-parallel-size: {exc}; lower it") from None
+        if bind:
+            logger.info("CPU engine with %d workers: %s=%s", tp, engine_setup.ENV_CPU_BIND, bind)
     cmd = server_command(ckpt, argv[1:], default_worker_cls())
     logger.info("starting: %s", " ".join(cmd))
     sys.stdout.flush()

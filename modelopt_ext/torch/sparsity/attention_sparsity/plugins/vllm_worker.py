@@ -189,26 +189,33 @@ class SparseAttnWorkerMixin:
     # ---- RPCs (LLM.collective_rpc("<name>", args=...)); arguments and results are plain data ----
 
     def sparse_attn_enable_calibration(self, scale_factors, backend: str | None = None) -> dict:
-        """Switch every attention layer to calibration mode (dense output, counts per scale-factor trial)."""
+        """Switch every attention layer to calibration mode (dense output, counts per scale-factor trial).
+
+        Takes and returns plain data (it crosses vLLM's RPC transports): the layer count and the native impls.
+        """
         from . import vllm as vllm_plugin
 
+        trials = [float(s) for s in scale_factors]
         settings = checkpoint_settings(self)
         report = vllm_plugin.install_sparse_attention(
             worker_model(self),
             settings,
             mode="calibrate",
             backend=backend or _kernel_backend(),
-            calibration_scale_factors=list(scale_factors),
+            calibration_scale_factors=trials,
             vllm_config=self.vllm_config,
         )
         vllm_plugin.collect_calibration_records(worker_model(self), reset=True)
         return {"layers": len(report.native_impls), "native_impls": sorted(set(report.native_impls.values()))}
 
     def sparse_attn_collect_counts(self, reset: bool = True) -> list[dict]:
-        """This rank's calibration records, one per layer (see plugins/vllm_calibration_records.py)."""
+        """This rank's calibration records, one per layer, in their wire form: plain Python lists and numbers
+        (`encode_record`), so they cross every vLLM process boundary (msgpack, pickle, Ray, JSON) unchanged;
+        `merge_calibration_records` decodes them (plugins/vllm_calibration_records.py)."""
         from . import vllm as vllm_plugin
+        from .vllm_calibration_records import encode_record
 
-        return vllm_plugin.collect_calibration_records(worker_model(self), reset=reset)
+        return [encode_record(r) for r in vllm_plugin.collect_calibration_records(worker_model(self), reset=reset)]
 
     def sparse_attn_serve(self, config_block: dict | None = None) -> dict:
         """(Re)install serve mode from a `sparse_attention_config` block, or from the checkpoint when None."""

@@ -1,0 +1,152 @@
+"""Helpers of the end-to-end tests: run the example scripts as a user does (subprocesses, vLLM's default
+multi-process engine), serve over HTTP, and account for every process by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "vllm_serve"
+CALIBRATE = EXAMPLES / "calibrate_sparse_attn.py"
+SERVE = EXAMPLES / "vllm_serve_sparse_attn.py"
+README = REPO / "README.md"
+README_CKPT = "/path/to/ckpt"
+LONG_PROMPT = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range(150)) + " Drawer of item 42?"
+
+
+def env(**extra) -> dict:
+    """The environment of a script run: the caller's, offline, a capped KV cache; never VLLM_ENABLE_V1_..."""
+    out = dict(os.environ)
+    out.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    out.pop("TRITON_INTERPRET", None)  # tests/conftest.py sets it for the kernel tests, not for the engine
+    out.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    out.setdefault("OMP_NUM_THREADS", "2")
+    out.update(extra)
+    return out
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A private checkpoint: config.json copied (it gets rewritten), the large files linked."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            shutil.copy2(f, dst / f.name)
+        elif not f.name.startswith("."):
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def readme_calibrate_command(ckpt: Path) -> list[str]:
+    """The calibrate command of README.md's usage section, as written, with its checkpoint placeholder replaced,
+    followed by the arguments the README gives for vLLM's CPU engine (`**CPU engine** ... add `...``)."""
+    text = README.read_text()
+    start = text.index("python examples/vllm_serve/calibrate_sparse_attn.py")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.split("#", 1)[0].rstrip())
+        if not line.rstrip().endswith("\\"):
+            break
+    argv = shlex.split(" ".join(line.rstrip("\\") for line in lines))
+    cpu = re.search(r"\*\*CPU engine\*\*.*?add `(--calib_samples[^`]*)`", text, re.DOTALL)
+    assert cpu, "README.md no longer says which arguments make calibration short on the CPU engine"
+    argv += shlex.split(cpu.group(1))
+    assert argv[:2] == ["python", "examples/vllm_serve/calibrate_sparse_attn.py"] and README_CKPT in argv, argv
+    return [sys.executable, str(REPO / argv[1]), *[str(ckpt) if a == README_CKPT else a for a in argv[2:]]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 300.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def still_running(procs, wait: float = 15.0) -> list[str]:
+    """Which of `procs` (psutil.Process) still run after up to `wait` seconds (zombies count as ended)."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {p.name()}")
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def wait_for_log(proc: subprocess.Popen, log: Path, needle: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in log.read_text(errors="replace"):
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {needle!r}:\n" + log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {needle!r} after {timeout:.0f} s:\n" + log.read_text()[-4000:]
+        time.sleep(0.5)
+
+
+@contextmanager
+def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 900.0):
+    """The serve script (vLLM's OpenAI server, sparse impls) on a free port; yields its base URL. Stops it with
+    SIGTERM by PID and checks that every process it started has ended."""
+    port = free_port()
+    cmd = [sys.executable, str(SERVE), str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "2048", "--enforce-eager", "--served-model-name", "smol", "--no-enable-prefix-caching",
+           *extra]
+    with log_path.open("w") as log:
+        server = subprocess.Popen(cmd, env=env(VLLM_SERVER_DEV_MODE="1", MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY="4"),
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    procs = []
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not become healthy:\n" + log_path.read_text()[-4000:]
+                time.sleep(2)
+        procs = descendants(server.pid)
+        yield base
+    finally:
+        procs = procs or descendants(server.pid)
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            raise AssertionError("the server ignored SIGTERM for 90 s") from None
+    left = still_running(procs)
+    assert not left, f"processes left after the server stopped: {left}"

@@ -1,0 +1,68 @@
+"""Tensor-parallel calibration and serving on vLLM's CPU engine: `--tensor_parallel_size 2`, two worker processes,
+records of both ranks merged by raw counts, then the calibrated checkpoint served with `--tensor-parallel-size 2`.
+
+SmolLM2-135M's 9 attention heads cannot be split over 2 ranks (vLLM refuses), so this runs its zero-padded twin
+(tests/e2e/padded_heads.py: 12 heads, 4 KV heads, the same logits). On this 2-core machine each worker gets one
+core; the scripts set VLLM_CPU_OMP_THREADS_BIND=0|1 themselves (vLLM's automatic binding wants a NUMA node per
+worker). Slow (two ~1.5-minute engine starts under load), so one calibration and one server for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from e2e_lib import LONG_PROMPT, env, http_json, readme_calibrate_command, serving
+from padded_heads import build_padded_checkpoint
+
+pytestmark = pytest.mark.e2e
+
+NUM_LAYERS = 30
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def tp_calibrated(smollm2_checkpoint, tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < TP:
+        pytest.skip(f"tensor parallelism {TP} on the CPU engine needs {TP} CPUs")
+    work = tmp_path_factory.mktemp("tp")
+    ckpt = build_padded_checkpoint(smollm2_checkpoint, work / "ckpt")
+    cmd = readme_calibrate_command(ckpt)
+    cmd[cmd.index("--tensor_parallel_size") + 1] = str(TP)
+    proc = subprocess.run(cmd, env=env(OMP_NUM_THREADS="1"), cwd=work, capture_output=True, text=True, timeout=1500)
+    log = proc.stdout + proc.stderr
+    (work / "calibrate.log").write_text(log)
+    assert proc.returncode == 0, log[-4000:]
+    return ckpt, work, log
+
+
+def test_tensor_parallel_calibration_merges_both_ranks(tp_calibrated):
+    ckpt, work, log = tp_calibrated
+    assert f"calibration mode on {NUM_LAYERS} layer(s) per rank, {TP} rank(s)" in log, log[-4000:]
+    assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log
+    with np.load(work / "sparse_attention_config.records.npz", allow_pickle=False) as data:
+        layers = data["layers"].tolist()
+        counts = data["counts"]
+    assert len(layers) == TP * NUM_LAYERS and layers[:NUM_LAYERS] == layers[NUM_LAYERS:]  # one record per layer/rank
+    assert (counts[..., 1] <= counts[..., 0]).all() and counts[..., 1].sum() > 0
+    block = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
+    assert set(block["config_groups"]["group_0"]["target_sparsity"]) == {"prefill", "decode"}
+
+
+def test_tensor_parallel_serving_from_the_result(tp_calibrated, tmp_path):
+    ckpt, _, _ = tp_calibrated
+    with serving(ckpt, tmp_path / "serve.log", "--tensor-parallel-size", str(TP)) as base:
+        reply = http_json(base + "/v1/completions", {"model": "smol", "prompt": "The capital of France is",
+                                                     "max_tokens": 8, "temperature": 0})
+        assert "Paris" in reply["choices"][0]["text"], reply
+        http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 8,
+                                             "temperature": 0})
+        ranks = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
+    assert len(ranks) == TP and all(r["sparse_layers"] == NUM_LAYERS for r in ranks)
+    # rank 0 holds 6 real heads; rank 1 holds 3 real and the 3 zero heads, which never drop a tile
+    for rank in ranks:
+        assert rank["realized"]["prefill"]["skipped"] > 0, rank["realized"]
+    assert ranks[0]["realized"]["prefill"]["sparsity"] > ranks[1]["realized"]["prefill"]["sparsity"]
