@@ -154,11 +154,13 @@ def test_empty_and_one_token_sequences():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_key_splits_use_the_anchor(dtype):
-    """Decode rows past 2048 keys run as parallel key splits merged at the end: same decisions and output."""
+def test_long_rows_restart_at_splits_with_the_anchor(dtype):
+    """Rows past 2048 keys: decode rows run as parallel key splits merged at the end, a longer chunk (several row
+    blocks) walks the splits in order; both restart the reference max at each split, seeded with tile 0."""
     kv = 2 * SPLIT_TOKENS + 300
-    case = make_case([1, 1, 3], [kv, SPLIT_TOKENS + 1, kv], hq=4, hkv=2, d=64, page=128, layout="cpu_t",
-                     dtype=dtype, seed=39)  # fmt: skip
+    case = make_case([1, 1, 3, 4], [kv, SPLIT_TOKENS + 1, kv, SPLIT_TOKENS + 42], hq=4, hkv=2, d=64, page=128,
+                     layout="cpu_t", dtype=dtype, seed=39)  # fmt: skip
+    # (the last sequence's rows 2086..2089 straddle a 24-row block boundary: two row blocks, walked in order)
     lam = torch.tensor([quantile_lambda(case, b, 0.5) for b in range(case.batch)])
     out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
     ref = oracle(case, log_lams_tensor(lam, case.batch))
