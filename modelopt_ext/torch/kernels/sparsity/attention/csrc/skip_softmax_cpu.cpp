@@ -18,8 +18,10 @@
 // along the key axis at SPLIT_TOKENS boundaries (decode); each split decides exactly as the sequential loop would
 // (the reference max restarts at each split, seeded with tile 0) and partial softmax states are merged at the end.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
