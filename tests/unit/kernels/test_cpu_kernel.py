@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,7 +46,9 @@ def test_kernel_builds():
 
 
 @pytest.fixture(autouse=True)
-def _needs_kernel():
+def _needs_kernel(request):
+    if "cannot_build" in request.node.name:
+        return
     if cpu_kernel.unavailable_reason() is not None:
         pytest.skip(f"compiled CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
 
@@ -277,3 +282,37 @@ def test_auto_dispatch(caplog):
     assert len(warnings) == 1 and "float64" in warnings[0].getMessage()
     with pytest.raises(RuntimeError, match="backend='auto' or 'torch'"):
         run(case, "cpu")
+
+
+FALLBACK_SCRIPT = """
+import logging, sys, torch
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention, cpu_kernel
+q = torch.randn(5, 2, 16)
+k = torch.randn(2, 4, 1, 16)
+v = torch.randn(2, 4, 1, 16)
+args = (q, k, v, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32))
+ref = paged_skip_softmax_attention(*args, softmax_scale=0.25, backend="torch")
+for _ in range(3):
+    out = paged_skip_softmax_attention(*args, softmax_scale=0.25)
+torch.testing.assert_close(out, ref)
+print("REASON", cpu_kernel.unavailable_reason())
+"""
+
+
+@pytest.mark.parametrize("env", ["switched_off", "unwritable_cache"])
+def test_where_it_cannot_build_auto_uses_the_reference_and_says_why_once(env, tmp_path):
+    """A fresh process whose kernel cannot load: `auto` still computes (the reference), with one warning naming
+    the reason. Needs no compiler, so it also runs where the kernel is unavailable."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    extra = {"MODELOPT_EXT_CPU_KERNEL": "0"} if env == "switched_off" else {"MODELOPT_EXT_CACHE_DIR": str(blocker)}
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env={**os.environ, **extra}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stdout.splitlines() if ln.startswith("WARNING") and "PyTorch reference" in ln]
+    assert len(warnings) == 1, proc.stdout
+    expected = "switched off (MODELOPT_EXT_CPU_KERNEL=0)" if env == "switched_off" else "did not build"
+    assert expected in warnings[0]
+    assert f"REASON the compiled CPU kernel {'is ' if env == 'switched_off' else ''}" in proc.stdout
