@@ -26,7 +26,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
     """Temp file in the same directory + fsync + os.replace (+ fsync of the directory); keeps the file's mode."""
     path = Path(path)
     try:
@@ -37,8 +37,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -51,6 +51,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`write_bytes_atomic` of UTF-8 text."""
+    return write_bytes_atomic(path, text)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:

@@ -26,14 +26,16 @@ scale factors, so a later fit (another law, another phase policy) needs no engin
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..atomic_io import write_bytes_atomic
 
 RECORD_KEYS = ("layers", "scale_factors", "kv_lens", "is_decode", "counts")
 WIRE_FORMAT = "modelopt_ext.vllm_calibration_record/1"
@@ -203,21 +205,9 @@ def save_calibration_records(path: str | os.PathLike, record: Mapping, meta: Map
         "layers": np.array(rec["layers"], dtype=str),
         "meta": np.array(json.dumps(dict(meta or {}), sort_keys=True, default=str)),
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return write_bytes_atomic(path, buffer.getvalue())
 
 
 def load_calibration_records(path: str | os.PathLike) -> tuple[dict, dict]:
