@@ -45,7 +45,7 @@ from .vllm_prompt_lens import prompt_lens_source
 
 logger = logging.getLogger(__name__)
 
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
 _UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 
 
@@ -141,7 +141,8 @@ def _current_vllm_config(vllm_config):
 
 
 def _resolve_kernel_backend(backend: str, config) -> str:
-    """"auto" -> "triton" where CUDA serves, else "torch"; decided once, so no call falls back silently."""
+    """"auto" -> "triton" where CUDA serves, the compiled CPU kernel on the CPU (the reference where it cannot
+    load or cover the dtype, with the reason logged); decided once, so no call falls back silently."""
     if backend != "auto":
         if backend == "triton":
             from modelopt_ext.torch.kernels.sparsity.attention import triton_available
@@ -151,7 +152,16 @@ def _resolve_kernel_backend(backend: str, config) -> str:
         return backend
     device_type = str(getattr(getattr(config, "device_config", None), "device_type", "") or "")
     if device_type == "cpu" or not torch.cuda.is_available():
-        return "torch"
+        from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+
+        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+        reason = cpu_kernel.unavailable_reason()
+        if reason is None and isinstance(dtype, torch.dtype) and dtype not in cpu_kernel.CPU_KERNEL_DTYPES:
+            reason = f"the compiled CPU kernel does not cover {dtype}"
+        if reason is not None:
+            logger.warning("sparse attention: using the PyTorch reference on the CPU (%s)", reason)
+            return "torch"
+        return "cpu"
     from modelopt_ext.torch.kernels.sparsity.attention import triton_available
 
     if not triton_available():
