@@ -1,26 +1,29 @@
 #!/usr/bin/env python
 """Does a calibrated target hold? Realized sparsity per phase against the target, on held-out text, by length.
 
-Never a timed test. Examples (SmolLM2 on the CPU; minutes to an hour on 2 cores):
+Never a timed test. Two paths, the same kernels, semantics and fit code:
 
-    python benchmarks/fidelity.py --quick
-    python benchmarks/fidelity.py --lengths 1024,2048,4096,8192 --out artifacts/fidelity
-    python benchmarks/fidelity.py --law modelopt      # the same data fitted with ModelOpt's 1/kv_len law
+    # vLLM's CPU engine (default; run with .venv-cpu): calibrate with the project's script as a user does, then
+    # measure on held-out prose and code at 1k..8k tokens (about an hour on 2 cores)
+    .venv-cpu/bin/python benchmarks/fidelity.py --lengths 1024,2048,4096,8192
+    .venv-cpu/bin/python benchmarks/fidelity.py --config ckpt/config.json   # an already calibrated checkpoint
+    # Hugging Face path (mtsa; any env with transformers): calibration and measurement in one process
+    python benchmarks/fidelity.py --path hf --quick
 
-What it does (Hugging Face path: the same kernels, semantics and fit code as vLLM serving):
+Engine path (benchmarks/fidelity_engine.py): `examples/vllm_serve/calibrate_sparse_attn.py <model> <--calib-args>`
+writes the config and its records; ModelOpt's 1/kv_len law is refitted from the same records (`--law both`). One
+engine then counts, per held-out prompt sent alone and for all of them as one mixed batch, exactly what serving each
+(law, target) drops (calibration mode with the served laws as trials), checks one law against the real serving
+counters, and serves every (law, target) for the quality columns (perplexity delta, next-token and greedy agreement
+with dense at `--quality-length`).
 
-1. Calibrates prefill and decode once on the calibration data (`calibration.data`: RULER-style tasks plus natural
-   prose and code from the calibration split) at several lengths, with the shared fit (`calibration.fit`):
-   the length law (γ fitted) by default, or ModelOpt's 1/kv_len law with `--law modelopt`.
-2. Builds held-out prose and code prompts (`calibration.natural_text`, split `heldout`: documents calibration
-   never saw) at each length, prefills each in chunks (as vLLM chunks it) and decodes a few tokens.
-3. Measures, in one dense pass per prompt, exactly what serving at every target drops (calibration mode with the
-   served laws as trials: docs/skip_softmax.md guarantees the counts equal serving's), per phase.
-4. Quality at `--quality-length`: perplexity of the held-out text and greedy agreement with dense, served sparse.
-5. Prints markdown tables, writes JSON and a PNG (realized vs length, one panel per phase).
+HF path: calibrates on `calibration.data` at several lengths with `mtsa`'s collector and the shared fit, then
+measures the held-out prompts the same way (chunked prefill as vLLM chunks it, a few decode steps).
 
-A cell where the law cannot reach the target (λ >= 1 at that length: the row runs dense) is reported as
-"dense (unreachable)" and does not count towards the error summary.
+Held-out text: `calibration.natural_text`, split `heldout` (documents calibration never saw); `--seeds` gives several
+documents orders per (source, length), their counts summed. A cell where the law cannot reach the target (λ >= 1 at
+that length: the row runs dense) is reported as "dense (unreachable)" and does not count towards the error summary.
+Prints markdown tables, writes JSON and a PNG per law (realized vs length, one panel per phase).
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ logger = logging.getLogger("fidelity")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="HF checkpoint dir (default: `make model`)")
+    p.add_argument("--path", choices=("engine", "hf"), default="engine",
+                   help="measure on a vLLM engine (default) or through the Hugging Face model (mtsa)")
+    p.add_argument("--config", default=None, help="engine: a calibrated sparse_attention_config.json or checkpoint "
+                   "(default: calibrate first with examples/vllm_serve/calibrate_sparse_attn.py)")
+    p.add_argument("--calib-args", default="--calib_max_seqlen 4096 --calib_samples 8",
+                   help="engine: arguments of calibrate_sparse_attn.py (default: %(default)s)")
+    p.add_argument("--seeds", default="0", help="held-out document orders per (source, length), e.g. 0,1,2")
+    p.add_argument("--serve-check-target", type=float, default=0.5,
+                   help="engine: at this target of the first law, all prompts are also served as one mixed batch")
+    p.add_argument("--dense-counts", action="store_true",
+                   help="engine: also count every law in calibration mode (dense activations, one pass) to show "
+                        "how far serving's own drops move later layers' decisions")
     p.add_argument("--quick", action="store_true", help="short lengths and few samples")
     p.add_argument("--targets", default="0.3,0.5,0.7")
     p.add_argument("--lengths", default=None, help="held-out lengths (default 1024,2048,4096; quick: 512,1024)")
@@ -52,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "to 4096)")  # fmt: skip
     p.add_argument("--calib-samples-per-length", type=int, default=None, help="default 6 (one per task)")
     p.add_argument("--sources", default="prose,code")
-    p.add_argument("--decode-tokens", type=int, default=8)
+    p.add_argument("--decode-tokens", type=int, default=None, help="decode steps per prompt (engine 32, hf 8)")
     p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk (vLLM-style chunked prefill)")
     p.add_argument("--law", choices=("length", "modelopt", "both"), default="both",
                    help="fit law(s) measured on the same calibration data and held-out passes")
@@ -226,40 +241,28 @@ def plot(cells, targets, sources, law, path: Path) -> None:
     fig.savefig(path, format="png")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run_hf(args, targets, lengths, sources, laws, quality_length) -> dict:
+    """The Hugging Face path: calibrate and measure in this process (mtsa)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
 
-    targets = [float(x) for x in args.targets.split(",")]
-    lengths = _ints(args.lengths) if args.lengths else ([512, 1024] if args.quick else [1024, 2048, 4096])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    decode_tokens = args.decode_tokens or 8
     calib_lengths = _ints(args.calib_lengths) if args.calib_lengths else [n for n in lengths if n <= 4096]
     per_length = args.calib_samples_per_length or (3 if args.quick else 6)
-    sources = [s for s in args.sources.split(",") if s]
-    quality_length = args.quality_length if args.quality_length is not None else (256 if args.quick else 1024)
-    out_dir = Path(args.out or REPO / "artifacts" / ("fidelity_quick" if args.quick else "fidelity"))
-    if not Path(args.model, "config.json").is_file():
-        sys.exit(f"fidelity: {args.model} is not a Hugging Face checkpoint directory; run `make model` first")
-
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     model = mtsa.sparsify(model, mtsa.SKIP_SOFTMAX_DEFAULT)
     states = list(mtsa.sparse_attention_states(model).values())
-
-    laws = ["length", "modelopt"] if args.law == "both" else [args.law]
-    fits, calib_s = calibrate(
-        model, tokenizer, states, calib_lengths, per_length, args.chunk_size, args.decode_tokens, laws
-    )
+    fits, calib_s = calibrate(model, tokenizer, states, calib_lengths, per_length, args.chunk_size, decode_tokens, laws)
     cells = []
     for source in sources:
         for length in lengths:
             t0 = time.time()
             realized, n_tokens = measure(
-                model, tokenizer, states, fits, targets, source, length, args.chunk_size, args.decode_tokens
+                model, tokenizer, states, fits, targets, source, length, args.chunk_size, decode_tokens
             )
             unreachable = {
                 law: {t: {"prefill": fits[law]["prefill"].dense_below(t) >= n_tokens,
@@ -270,39 +273,74 @@ def main(argv=None) -> int:
                               unreachable=unreachable, seconds=time.time() - t0))  # fmt: skip
             logger.info("%s %d (%.0f s): %s", source, length, time.time() - t0, realized)
     result = dict(
-        model=str(args.model), laws=laws, targets=targets, lengths=lengths, calib_lengths=calib_lengths,
+        path="hf", model=str(args.model), laws=laws, targets=targets, lengths=lengths, calib_lengths=calib_lengths,
         calib_samples_per_length=per_length, calib_seconds=calib_s,
         fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent, reference_length=f.reference_length,
                              r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
                     for ph, f in fits[law].items()} for law in laws},
-        cells=cells, summary={law: summarize(cells, targets, law) for law in laws},
+        cells=cells,
     )  # fmt: skip
     if quality_length:
         result["quality"] = {
             law: quality(model, tokenizer, states, fits[law], targets, sources, quality_length, 16) for law in laws
         }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "fidelity.json").write_text(json.dumps(result, indent=1, default=str))
-    for law in laws:
-        plot(cells, targets, sources, law, out_dir / f"fidelity_{law}.png")
+    return result
 
-    for law in laws:
-        print(f"\n## {law} law; fits: " + "; ".join(
-            f"{ph} a={f.a:.4g} b={f.b:.4g} γ={f.length_exponent:.3f} R²={f.r2:.3f}" for ph, f in fits[law].items()))
+
+def report(result: dict, targets, sources, lengths, quality_length) -> None:
+    for law in result["laws"]:
+        fits = result["fits"][law]
+        print(f"\n## {law} law ({result['path']} path); fits: " + "; ".join(
+            f"{ph} a={f['a']:.4g} b={f['b']:.4g} γ={f['length_exponent']:.3f} R²={f['r2']:.3f}"
+            for ph, f in fits.items()))  # fmt: skip
         for ph in PHASES:
             print(f"\n{ph} realized sparsity (held-out, {', '.join(sources)}):")
-            print(table(cells, targets, sources, lengths, ph, law))
+            print(table(result["cells"], targets, sources, lengths, ph, law))
             s = result["summary"][law][ph]
             if s["cells"]:
                 print(f"mean |realized - target| {s['mean_abs_error']:.3f}, max {s['max_abs_error']:.3f}, "
                       f"{s['within_0_05']}/{s['cells']} cells within 0.05")
-        if quality_length:
+        if result.get("quality"):
             q = result["quality"][law]
             print(f"\nquality at {quality_length} tokens (dense ppl {q['dense_ppl']:.4f}):")
             print("| target | ppl | Δppl | next-token agree | greedy agree |\n|---|---|---|---|---|")
             for t, r in q["targets"].items():
-                print(f"| {t:g} | {r['ppl']:.4f} | {100 * r['ppl_delta']:+.2f} % | {r['next_token_agree']:.3f} | "
+                print(f"| {float(t):g} | {r['ppl']:.4f} | {100 * r['ppl_delta']:+.2f} % "
+                      f"| {r['next_token_agree']:.3f} | "
                       f"{r['greedy_agree']:.3f} |")
+    if result.get("batch_check") is not None:
+        b = result["batch_check"]
+        print(f"\nmixed batch vs each prompt alone ({b['law']} law, target {b['target']:g}): serving counters "
+              f"{'identical' if b['equal'] else 'DIFFER'} (alone {b['alone']}, batch {b['batch']})")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    targets = [float(x) for x in args.targets.split(",")]
+    lengths = _ints(args.lengths) if args.lengths else ([512, 1024] if args.quick else [1024, 2048, 4096])
+    sources = [s for s in args.sources.split(",") if s]
+    quality_length = args.quality_length if args.quality_length is not None else (256 if args.quick else 1024)
+    suffix = ("_hf" if args.path == "hf" else "") + ("_quick" if args.quick else "")
+    out_dir = Path(args.out or REPO / "artifacts" / f"fidelity{suffix}")
+    if not Path(args.model, "config.json").is_file():
+        sys.exit(f"fidelity: {args.model} is not a Hugging Face checkpoint directory; run `make model` first")
+    laws = ["length", "modelopt"] if args.law == "both" else [args.law]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.path == "engine":
+        import fidelity_engine
+
+        args.decode_tokens = args.decode_tokens or 32
+        args.quality_length = quality_length
+        result = fidelity_engine.run(args, targets, lengths, sources, _ints(args.seeds), laws, out_dir)
+    else:
+        result = run_hf(args, targets, lengths, sources, laws, quality_length)
+    laws = result["laws"]
+    result["summary"] = {law: summarize(result["cells"], targets, law) for law in laws}
+    (out_dir / "fidelity.json").write_text(json.dumps(result, indent=1, default=str))
+    for law in laws:
+        plot(result["cells"], targets, sources, law, out_dir / f"fidelity_{law}.png")
+    report(result, targets, sources, lengths, quality_length)
     print(f"\nwrote {out_dir / 'fidelity.json'} and the PNGs beside it")
     return 0
 

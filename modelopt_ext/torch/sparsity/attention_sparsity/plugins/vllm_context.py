@@ -48,6 +48,8 @@ class SparseAttentionContext:
     prompt_lens: Callable | None = None  # source(common_attn_metadata) -> int32 [num_reqs] | None
     prompt_lens_reason: str | None = None  # why there is no source (the kernel's default applies)
     version: int = 0  # bumped by every reconfiguration; builders refresh their law buffers when it changes
+    # calibrate with served laws instead of scale factors: (c_prefill, c_decode, γ_prefill, γ_decode) per trial
+    trial_laws: tuple[tuple[float, float, float, float], ...] | None = None
     _logged: set = field(default_factory=set, repr=False)
 
     @property
@@ -81,7 +83,8 @@ class SparseAttentionContext:
 
     def describe(self) -> str:
         if self.calibrating:
-            return f"calibration, {len(self.trials)} scale-factor trials, {self.kernel_backend} kernel"
+            kind = "law" if self.trial_laws else "scale-factor"
+            return f"calibration, {len(self.trials)} {kind} trials, {self.kernel_backend} kernel"
         (c_pre, c_dec), (g_pre, g_dec) = self.law()
         phase = lambda c, g: "dense" if not math.isfinite(c) else f"c={c:.4g}, γ={g:.3g}"  # noqa: E731
         return f"serve, prefill {phase(c_pre, g_pre)}, decode {phase(c_dec, g_dec)}, {self.kernel_backend} kernel"

@@ -249,8 +249,22 @@ def _predicted_cpu_isa(config, head_size) -> str | None:
 # Install / uninstall
 
 
+def _check_trial_laws(laws) -> tuple[tuple[float, float, float, float], ...]:
+    out = []
+    for i, law in enumerate(laws):
+        try:
+            values = tuple(float(x) for x in law)
+        except (TypeError, ValueError):
+            values = ()
+        if len(values) != 4 or not all(math.isfinite(x) for x in values):
+            raise ValueError(f"calibration_laws[{i}] must be 4 finite numbers (c_prefill, c_decode, γ_prefill, "
+                             f"γ_decode), got {law!r}")
+        out.append(values)
+    return tuple(out)
+
+
 def _same_config(context: SparseAttentionContext, other: SparseAttentionContext) -> bool:
-    keys = ("mode", "settings", "kernel_backend", "trials", "track_sparsity")
+    keys = ("mode", "settings", "kernel_backend", "trials", "trial_laws", "track_sparsity")
     return all(getattr(context, k) == getattr(other, k) for k in keys)
 
 
@@ -271,6 +285,7 @@ def install_sparse_attention(
     mode: str = "serve",
     backend: str = "auto",
     calibration_scale_factors=None,
+    calibration_laws=None,
     track_sparsity: bool = True,
     vllm_config=None,
     model_runner=None,
@@ -287,6 +302,10 @@ def install_sparse_attention(
             and per sequence the visited/skipped tile counts of every trial in `calibration_scale_factors`).
         backend: kernel backend, "auto" (Triton where CUDA serves, else the PyTorch reference), "torch" or "triton".
         calibration_scale_factors: calibrate mode only: threshold trials as scale factors sf_t (λ = sf_t / n).
+        calibration_laws: calibrate mode only, instead of scale factors: one served law per trial,
+            `(c_prefill, c_decode, γ_prefill, γ_decode)`, so one dense pass counts exactly what serving each law
+            would drop (benchmarks/fidelity.py). Records then label their trials 0..T-1 (`scale_factors`), which
+            are no scale factors: such records measure, they are not for fitting.
         track_sparsity: serve mode: count dropped row-tiles per layer and phase (in-place device sums, see
             `get_sparsity_stats`).
         vllm_config: the engine's VllmConfig (default: the current one, if set), for the kernel checks.
@@ -304,14 +323,20 @@ def install_sparse_attention(
     if settings is not None and not isinstance(settings, SparseAttentionSettings):
         raise TypeError(f"settings must be a SparseAttentionSettings or None, got {type(settings).__name__}")
     trials: tuple[float, ...] = ()
+    trial_laws = None
     if mode == "calibrate":
-        if not calibration_scale_factors:
-            raise ValueError("mode='calibrate' needs calibration_scale_factors (threshold trials as scale factors)")
-        trials = tuple(float(s) for s in calibration_scale_factors)
-        if any(not (s > 0 and math.isfinite(s)) for s in trials):
-            raise ValueError(f"calibration_scale_factors must be finite and positive, got {trials}")
-    elif calibration_scale_factors:
-        raise ValueError("calibration_scale_factors is only used with mode='calibrate'")
+        if bool(calibration_scale_factors) == bool(calibration_laws):
+            raise ValueError("mode='calibrate' needs exactly one of calibration_scale_factors (threshold trials as "
+                             "scale factors) and calibration_laws")
+        if calibration_laws:
+            trial_laws = _check_trial_laws(calibration_laws)
+            trials = tuple(float(i) for i in range(len(trial_laws)))
+        else:
+            trials = tuple(float(s) for s in calibration_scale_factors)
+            if any(not (s > 0 and math.isfinite(s)) for s in trials):
+                raise ValueError(f"calibration_scale_factors must be finite and positive, got {trials}")
+    elif calibration_scale_factors or calibration_laws:
+        raise ValueError("calibration_scale_factors / calibration_laws are only used with mode='calibrate'")
 
     layers = _layers(model_or_layers)
     if not layers:
@@ -319,7 +344,8 @@ def install_sparse_attention(
     config = _current_vllm_config(vllm_config)
     kernel_backend = _resolve_kernel_backend(backend, config)
     source, reason = prompt_lens_source(model_runner, config)
-    new = SparseAttentionContext(mode, settings, kernel_backend, trials, track_sparsity, source, reason)
+    new = SparseAttentionContext(mode, settings, kernel_backend, trials, track_sparsity, source, reason,
+                                 trial_laws=trial_laws)
 
     problems, targets, report = [], [], SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
     report.prompt_lens = source.name if source is not None else f"kernel default ({reason})"
@@ -353,7 +379,7 @@ def install_sparse_attention(
         context = next(iter(existing.values()))
         unchanged_context = _same_config(context, new)
         if not unchanged_context:
-            for key in ("mode", "settings", "kernel_backend", "trials", "track_sparsity"):
+            for key in ("mode", "settings", "kernel_backend", "trials", "trial_laws", "track_sparsity"):
                 setattr(context, key, getattr(new, key))
             context.version += 1
         if source is not None:  # a re-install without a runner keeps the prompt-length source it had

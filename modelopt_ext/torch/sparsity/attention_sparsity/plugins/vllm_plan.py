@@ -105,10 +105,16 @@ class SparsePlanner:
         key = (id(context), context.version)
         if context.calibrating:
             if self._trial_key != key:
-                log_sf = torch.tensor(context.trial_log_scale_factors(), dtype=torch.float32)
-                table = log_sf[None, :, None].expand(self.capacity, -1, 2)
-                self.trial_log_scale_factors = table.contiguous().to(self.device)
-                self.length_exponents.fill_(1.0)
+                if context.trial_laws:  # folded per sequence each step (plan): ln λ_t = c_t - γ_t·ln n, γ = 0
+                    laws = torch.tensor(context.trial_laws, dtype=torch.float32, device=self.device)
+                    self._trial_c, self._trial_gamma = laws[:, :2], laws[:, 2:]
+                    self.trial_log_scale_factors = torch.zeros(self.capacity, len(laws), 2, device=self.device)
+                    self.length_exponents.fill_(0.0)
+                else:
+                    log_sf = torch.tensor(context.trial_log_scale_factors(), dtype=torch.float32)
+                    table = log_sf[None, :, None].expand(self.capacity, -1, 2)
+                    self.trial_log_scale_factors = table.contiguous().to(self.device)
+                    self.length_exponents.fill_(1.0)
                 self._trial_key = key
                 self._law_key = None
         elif self._law_key != key:
@@ -162,7 +168,14 @@ class SparsePlanner:
             prompt_lens_from=source,
         )
         if context.calibrating:
-            plan.trial_log_scale_factors = self.trial_log_scale_factors[:b]
+            table = self.trial_log_scale_factors[:b]
+            if context.trial_laws:
+                # Every row of a sequence in this step has the sequence's law length, except in a chunk that
+                # recomputes a preempted request's prompt and generated tokens (its generated rows then get the
+                # prompt's length): exact for fidelity measurements, which never preempt.
+                log_n = self.law_lens[:b].clamp(min=1).to(torch.float32).log()
+                torch.sub(self._trial_c[None], self._trial_gamma[None] * log_n[:, None, None], out=table)
+            plan.trial_log_scale_factors = table
         else:
             plan.log_scale_factors = self.log_scale_factors[:b]
             plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))

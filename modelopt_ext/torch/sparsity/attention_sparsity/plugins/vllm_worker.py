@@ -188,14 +188,15 @@ class SparseAttnWorkerMixin:
 
     # ---- RPCs (LLM.collective_rpc("<name>", args=...)); arguments and results are plain data ----
 
-    def sparse_attn_enable_calibration(self, scale_factors, backend: str | None = None) -> dict:
-        """Switch every attention layer to calibration mode (dense output, counts per scale-factor trial).
+    def sparse_attn_enable_calibration(self, scale_factors, backend: str | None = None, laws=None) -> dict:
+        """Switch every attention layer to calibration mode (dense output, counts per scale-factor trial, or with
+        `laws` = [(c_prefill, c_decode, γ_prefill, γ_decode), ...] and `scale_factors` None, per served law).
 
         Takes and returns plain data (it crosses vLLM's RPC transports): the layer count and the native impls.
         """
         from . import vllm as vllm_plugin
 
-        trials = [float(s) for s in scale_factors]
+        trials = None if scale_factors is None else [float(s) for s in scale_factors]
         settings = checkpoint_settings(self)
         report = vllm_plugin.install_sparse_attention(
             worker_model(self),
@@ -203,6 +204,7 @@ class SparseAttnWorkerMixin:
             mode="calibrate",
             backend=backend or _kernel_backend(),
             calibration_scale_factors=trials,
+            calibration_laws=None if laws is None else [list(law) for law in laws],
             vllm_config=self.vllm_config,
         )
         vllm_plugin.collect_calibration_records(worker_model(self), reset=True)

@@ -116,6 +116,53 @@ def test_calibration_counts_equal_serving_skips(backend, make_layer, vllm_config
             assert stats[phase] == {"visited": int(counts[mask, t, 0].sum()), "skipped": int(counts[mask, t, 1].sum())}
 
 
+def _law_settings(a_pre, g_pre, a_dec, g_dec):
+    def phase(a, g):
+        return PhaseCalibration(a=a, b=1.5, target_sparsity=0.3, length_exponent=g, reference_length=100.0)
+
+    return SparseAttentionSettings(prefill=phase(a_pre, g_pre), decode=phase(a_dec, g_dec))
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
+def test_law_trials_count_exactly_what_serving_each_law_drops(backend, make_layer, vllm_config):
+    """Calibration with served laws as trials (benchmarks/fidelity.py): γ differs per trial and per phase, and each
+    trial's counts equal the serving counters of that law, phase by phase."""
+    batch = make_batch([1, 60, 1], [190, 120, 75], dim=D, page=PAGE, num_blocks=NB)
+    layer = make_layer(backend, head_size=D)
+    laws = [_law_settings(2.0, 1.4, 0.5, 0.7), _law_settings(40.0, 0.6, 9.0, 1.9), _law_settings(5.0, 1.0, 5.0, 1.0)]
+    trials = []
+    for s in laws:
+        trials.append((s.prefill.log_scale_factor, s.decode.log_scale_factor, s.prefill.length_exponent,
+                       s.decode.length_exponent))  # fmt: skip
+    plug.install_sparse_attention([layer], None, mode="calibrate", calibration_laws=trials)
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    _run(layer, vllm_config, batch, backend, cache)
+    record = plug.collect_calibration_records([layer])[0]
+    counts = record["counts"]
+    assert record["scale_factors"] == [0.0, 1.0, 2.0]  # trial labels: law trials have no scale factor
+    dec = np.array([ql == 1 for ql in batch.q_lens])
+    skipped_somewhere = 0
+    for t, settings in enumerate(laws):
+        plug.install_sparse_attention([layer], settings)
+        plug.reset_sparsity_stats([layer])
+        _run(layer, vllm_config, batch, backend, cache)
+        stats = plug.get_sparsity_stats([layer])[layer.layer_name]
+        for phase, mask in (("prefill", ~dec), ("decode", dec)):
+            assert stats[phase] == {"visited": int(counts[mask, t, 0].sum()), "skipped": int(counts[mask, t, 1].sum())}
+            skipped_somewhere += stats[phase]["skipped"]
+    assert skipped_somewhere > 0
+
+
+def test_calibrate_mode_takes_scale_factors_or_laws_not_both(make_layer):
+    layer = make_layer("flashinfer", head_size=D)
+    with pytest.raises(ValueError, match="exactly one"):
+        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS,
+                                      calibration_laws=[(0.0, 0.0, 1.0, 1.0)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"calibration_laws\[0\] must be 4 finite numbers"):
+        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_laws=[(0.0, 1.0)])
+    assert type(layer.impl).__name__ == "FlashInferImpl"
+
+
 def test_records_accumulate_steps_in_order(make_layer, vllm_config):
     layer = make_layer("flashinfer", head_size=D)
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)

@@ -1,0 +1,323 @@
+"""The vLLM-engine path of benchmarks/fidelity.py: calibrate with the project's script, measure served sparsity.
+
+Run through `benchmarks/fidelity.py` (default `--path engine`) with the interpreter of the environment that holds a
+vLLM engine (`.venv-cpu` on a machine without a GPU). What it does, on one engine (vLLM's default multi-process
+engine, our worker class, the checkpoint as users serve it):
+
+1. The law: from `--config` (a written `sparse_attention_config.json`; its `.records.npz` beside it, when there,
+   also gives ModelOpt's 1/kv_len law fitted on the same records) or, by default, by running
+   `examples/vllm_serve/calibrate_sparse_attn.py` with `--calib-args` first (the command a user runs).
+2. Dense reference (the engine starts dense): perplexity, next-token argmax and greedy tokens of the quality prompts.
+3. One calibration-mode pass with every (law, target) as a trial (`sparse_attn_enable_calibration(laws=...)`):
+   dense output, and per trial exactly the row-tiles serving that law drops (docs/skip_softmax.md), per prompt
+   sent alone; then all prompts again as one mixed batch, whose per-trial totals must equal the sum of the alone
+   runs (counts do not depend on batching).
+4. Serving check: the checkpoint's own law at one target served for real (`sparse_attn_serve`), prompts alone,
+   realized sparsity read from the serving counters (`sparse_attn_status`); they must equal step 3's counts.
+5. Quality per (law, target), served for real: perplexity delta, next-token and greedy agreement with dense.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "vllm_serve"
+CALIBRATE = EXAMPLES / "calibrate_sparse_attn.py"
+PHASES = ("prefill", "decode")
+
+logger = logging.getLogger("fidelity")
+
+
+# ------------------------------------------------------------------------------------------------------- the law
+
+
+def _fit_from_calibration(calib):
+    """A `PhaseFit` carrying a checkpoint phase's law (a, b, γ, n_ref), to evaluate it at any target."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import PhaseFit
+
+    gamma = 1.0 if calib.length_exponent is None else float(calib.length_exponent)
+    return PhaseFit(
+        a=calib.a, b=calib.b, r2=calib.r2 if calib.r2 is not None else math.nan, n_points=calib.n_points or 0,
+        sparsity_range=tuple(calib.observed_sparsity_range or (0.0, 1.0)), phase="",
+        length_exponent=gamma, reference_length=calib.reference_length if gamma != 1.0 else None,
+    )  # fmt: skip
+
+
+def laws_from_config(config_path: Path, want: list[str]) -> tuple[dict, dict]:
+    """{law: {phase: PhaseFit}} and a description of where they came from.
+
+    "length": the config as written (our length law when it carries γ); "modelopt": ModelOpt's 1/kv_len law fitted on
+    the records kept beside the config (the same counts), when they are there.
+    """
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import fit_phases, points_from_merged_record
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        load_sparse_attention_config,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        load_calibration_records,
+        records_path_for,
+    )
+
+    settings = load_sparse_attention_config(config_path)
+    if settings is None:
+        raise SystemExit(f"fidelity: {config_path} carries no sparse_attention_config")
+    fits = {"length": {ph: _fit_from_calibration(settings.phase(ph)) for ph in PHASES if settings.phase(ph)}}
+    source = {"config": str(config_path)}
+    records = records_path_for(config_path)
+    if "modelopt" in want and records.is_file():
+        merged, meta = load_calibration_records(records)
+        fits["modelopt"] = fit_phases(points_from_merged_record(merged), length_law=False)
+        source["records"] = str(records)
+        source["records_meta"] = meta
+    elif "modelopt" in want:
+        logger.warning("no %s beside the config: ModelOpt's law is not measured", records.name)
+    return {law: f for law, f in fits.items() if law in want and set(f) == set(PHASES)}, source
+
+
+def calibrate_with_script(ckpt: Path, out_dir: Path, calib_args: str) -> tuple[Path, float]:
+    """Run the project's calibration script as a user does; returns the written config and the seconds it took."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / "sparse_attention_config.json"
+    cmd = [sys.executable, str(CALIBRATE), str(ckpt), *shlex.split(calib_args), "--output", str(output)]
+    logger.info("calibrating: %s", " ".join(cmd))
+    t0 = time.time()
+    with open(out_dir / "calibrate.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir)
+    if proc.returncode != 0:
+        raise SystemExit(f"fidelity: calibration failed (exit {proc.returncode}); see {out_dir / 'calibrate.log'}")
+    return output, time.time() - t0
+
+
+def law_block(fits: dict, target: float, classes: list[str]) -> dict:
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        build_sparse_attention_config,
+    )
+
+    return build_sparse_attention_config(fits, target_sparsity=target, attention_classes=classes)
+
+
+def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
+    """(c_prefill, c_decode, γ_prefill, γ_decode) serving `fits` at `target` (docs/skip_softmax.md)."""
+    return (fits["prefill"].log_scale_factor(target), fits["decode"].log_scale_factor(target),
+            fits["prefill"].length_exponent, fits["decode"].length_exponent)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- the engine
+
+
+def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int):
+    """vLLM's default engine (multi-process) with our worker class, as the example scripts start it."""
+    sys.path.insert(0, str(EXAMPLES))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
+    from sparse_attn_worker import default_worker_cls
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every held-out prompt at once fits
+    return LLM(model=str(ckpt), max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
+               seed=0, max_num_seqs=max_num_seqs, worker_cls=default_worker_cls())  # fmt: skip
+
+
+def _token_prompts(prompts):
+    return [{"prompt_token_ids": list(ids)} for ids in prompts]
+
+
+def phase_totals(ranks) -> np.ndarray:
+    """[2 (prefill, decode), T, 2 (visited, skipped)] summed over every sequence-step of merged records."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        merge_calibration_records,
+    )
+
+    merged = merge_calibration_records(ranks)
+    counts = np.asarray(merged["counts"], dtype=np.int64)
+    decode = np.asarray(merged["is_decode"], dtype=bool)
+    return np.stack([counts[~decode].sum(0), counts[decode].sum(0)])
+
+
+def count_trials(llm, prompts, trials, decode_tokens: int) -> tuple[list[np.ndarray], np.ndarray, float]:
+    """Per prompt alone, and all together as one batch: phase totals per trial (`phase_totals`)."""
+    from vllm import SamplingParams
+
+    llm.collective_rpc("sparse_attn_enable_calibration", args=(None, None, [list(t) for t in trials]))
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    llm.collective_rpc("sparse_attn_collect_counts")  # drop anything before
+    alone = []
+    t0 = time.time()
+    for i, p in enumerate(_token_prompts(prompts)):
+        llm.generate([p], params, use_tqdm=False)
+        alone.append(phase_totals(llm.collective_rpc("sparse_attn_collect_counts")))
+        logger.info("counted prompt %d/%d alone (%d tokens), %.0f s", i + 1, len(prompts), len(prompts[i]),
+                    time.time() - t0)
+    llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+    batch = phase_totals(llm.collective_rpc("sparse_attn_collect_counts"))
+    logger.info("counted the mixed batch of %d prompts, %.0f s in all", len(prompts), time.time() - t0)
+    return alone, batch, time.time() - t0
+
+
+def _counter_totals(realized: dict) -> np.ndarray:
+    """[2 (prefill, decode), 2 (visited, skipped)] from `sparse_attn_status()["realized"]`."""
+    return np.array([[realized[ph]["visited"], realized[ph]["skipped"]] for ph in PHASES], dtype=np.int64)
+
+
+def serve_counters(llm, block: dict, prompts, decode_tokens: int, batch: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """Serve `block` for real; the serving counters (`_counter_totals`) after each prompt alone and, with `batch`,
+    after all of them as one mixed batch."""
+    from vllm import SamplingParams
+
+    llm.collective_rpc("sparse_attn_serve", args=(block,))
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    alone = []
+    for p in _token_prompts(prompts):
+        llm.collective_rpc("sparse_attn_reset_stats")
+        llm.generate([p], params, use_tqdm=False)
+        alone.append(_counter_totals(llm.collective_rpc("sparse_attn_status")[0]["realized"]))
+    together = None
+    if batch:
+        llm.collective_rpc("sparse_attn_reset_stats")
+        llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+        together = _counter_totals(llm.collective_rpc("sparse_attn_status")[0]["realized"])
+    return alone, together
+
+
+def quality_pass(llm, prompts, new_tokens: int) -> dict:
+    """Per prompt: sum of prompt NLL and token count, next-token argmax per position, greedy continuation."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+    nll, tokens, argmax, greedy = 0.0, 0, [], []
+    for ids, o in zip(prompts, outs, strict=True):
+        for tok, lp in zip(ids[1:], o.prompt_logprobs[1:], strict=True):
+            nll -= lp[tok].logprob
+            tokens += 1
+            argmax.append(next(t for t, v in lp.items() if v.rank == 1))
+        greedy.append(list(o.outputs[0].token_ids))
+    return dict(nll=nll, tokens=tokens, argmax=argmax, greedy=greedy)
+
+
+def quality_row(q: dict, dense: dict) -> dict:
+    ppl, dense_ppl = math.exp(q["nll"] / q["tokens"]), math.exp(dense["nll"] / dense["tokens"])
+    agree = [a == b for a, b in zip(q["argmax"], dense["argmax"], strict=True)]
+    greedy = [a == b for x, y in zip(q["greedy"], dense["greedy"], strict=True) for a, b in zip(x, y, strict=True)]
+    return dict(ppl=ppl, ppl_delta=ppl / dense_ppl - 1.0, next_token_agree=sum(agree) / len(agree),
+                greedy_agree=sum(greedy) / len(greedy))  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------------- the run
+
+
+def heldout_prompts(tokenizer, sources, lengths, seeds, context: int, decode_tokens: int):
+    """[(source, length, seed, token ids)]: a length past the model's context is cut to fit with the decode steps."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration import natural_text
+
+    out = []
+    for source in sources:
+        for length in lengths:
+            n = min(length, context - decode_tokens - 1)
+            for seed in seeds:
+                text, _ = natural_text.heldout_prompt(tokenizer, source, n, seed=seed)
+                out.append((source, length, seed, tokenizer(text).input_ids[:n]))
+    return out
+
+
+def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> dict:
+    """The whole engine path; returns the result dict that fidelity.py reports."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    ckpt = Path(args.model).resolve()
+    calib_seconds = None
+    if args.config:
+        config = Path(args.config)
+        config = config / "config.json" if config.is_dir() else config
+    else:
+        config, calib_seconds = calibrate_with_script(ckpt, out_dir, args.calib_args)
+    fits, law_source = laws_from_config(config.resolve(), laws_wanted)
+    laws = [law for law in laws_wanted if law in fits]
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    context = int(getattr(AutoConfig.from_pretrained(ckpt), "max_position_embeddings", 0) or 1 << 20)
+    items = heldout_prompts(tokenizer, sources, lengths, seeds, context, args.decode_tokens)
+    prompts = [ids for *_, ids in items]
+    quality_prompts = []
+    if args.quality_length:
+        quality_prompts = [ids for s, n, seed, ids in heldout_prompts(tokenizer, sources, [args.quality_length], [0],
+                                                                     context, args.decode_tokens)]  # fmt: skip
+    max_len = max(len(p) for p in prompts + quality_prompts) + max(args.decode_tokens, 16) + 1
+    llm = start_engine(ckpt, min(max_len, context), max_num_seqs=max(len(prompts), len(quality_prompts), 1))
+    keys = [(law, t) for law in laws for t in targets]
+    check = (laws[0], args.serve_check_target)
+    served, batch_check, quality, counted = {}, None, {}, None
+    t0 = time.time()
+    try:
+        dense = quality_pass(llm, quality_prompts, 16) if quality_prompts else None
+        for law, t in keys:
+            block = law_block(fits[law], t, ["LlamaAttention"])
+            alone, together = serve_counters(llm, block, prompts, args.decode_tokens, batch=(law, t) == check)
+            served[(law, t)] = alone
+            if together is not None:
+                total = sum(alone)
+                batch_check = dict(law=law, target=t, equal=bool(np.array_equal(total, together)),
+                                   alone=total.tolist(), batch=together.tolist())  # fmt: skip
+            if dense is not None:
+                q = quality.setdefault(law, dict(dense_ppl=math.exp(dense["nll"] / dense["tokens"]), targets={}))
+                q["targets"][t] = quality_row(quality_pass(llm, quality_prompts, 16), dense)
+            logger.info("served %s law at target %g: %d prompts, %.0f s so far", law, t, len(prompts), time.time() - t0)
+        if args.dense_counts:  # what calibration-mode counting (dense activations) predicts for the same laws
+            alone_c, _, _ = count_trials(llm, prompts, [trial_law(fits[law], t) for law, t in keys],
+                                         args.decode_tokens)  # fmt: skip
+            counted = {key: [a[:, k] for a in alone_c] for k, key in enumerate(keys)}
+    finally:
+        _shutdown(llm)
+
+    cells = []
+    for source in sources:
+        for length in lengths:
+            idx = [i for i, (s, n, _, _) in enumerate(items) if s == source and n == length]
+            n_tokens = len(items[idx[0]][3])
+            realized, unreachable = {law: {} for law in laws}, {law: {} for law in laws}
+            dense_activations = {law: {} for law in laws}
+            for law, t in keys:
+                tot = sum(served[(law, t)][i] for i in idx)
+                realized[law][t] = {ph: (float(tot[p, 1] / tot[p, 0]) if tot[p, 0] else None)
+                                    for p, ph in enumerate(PHASES)}  # fmt: skip
+                unreachable[law][t] = {"prefill": fits[law]["prefill"].dense_below(t) >= n_tokens,
+                                       "decode": fits[law]["decode"].dense_below(t) >= n_tokens + 1}  # fmt: skip
+                if counted is not None:
+                    c = sum(counted[(law, t)][i] for i in idx)
+                    dense_activations[law][t] = {ph: (float(c[p, 1] / c[p, 0]) if c[p, 0] else None)
+                                                 for p, ph in enumerate(PHASES)}  # fmt: skip
+            cell = dict(source=source, length=length, tokens=n_tokens, prompts=len(idx), realized=realized,
+                        unreachable=unreachable)  # fmt: skip
+            if counted is not None:
+                cell["counted_with_dense_activations"] = dense_activations
+            cells.append(cell)
+    return dict(
+        path="engine", model=str(ckpt), laws=laws, law_source=law_source, targets=targets, lengths=lengths,
+        seeds=seeds, sources=sources, decode_tokens=args.decode_tokens, calib_seconds=calib_seconds,
+        serve_seconds=time.time() - t0, calib_args=None if args.config else args.calib_args,
+        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent, reference_length=f.reference_length,
+                             r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
+                    for ph, f in fits[law].items()} for law in laws},
+        cells=cells, batch_check=batch_check, quality=quality or None,
+    )  # fmt: skip
+
+
+def _shutdown(llm) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def dump(result: dict, path: Path) -> None:
+    path.write_text(json.dumps(result, indent=1, default=str))
