@@ -69,7 +69,8 @@ class CountCollector:
 
 @torch.no_grad()
 def run_sample(model: nn.Module, input_ids: torch.Tensor, *, chunk_size: int, decode_tokens: int) -> torch.Tensor:
-    """Prefill `input_ids` [1, L] in chunks through a DynamicCache, then greedy-decode `decode_tokens` tokens.
+    """Prefill `input_ids` [1, L] in chunks through a DynamicCache, then greedy-generate `decode_tokens` tokens
+    (the first from the prefill, then `decode_tokens - 1` decode steps: what vLLM runs for `max_tokens`).
 
     Chunking bounds memory for long prompts and measures prefill at kv_len > q_len as chunked serving runs it.
     Returns the generated token ids [1, decode_tokens].
@@ -85,8 +86,10 @@ def run_sample(model: nn.Module, input_ids: torch.Tensor, *, chunk_size: int, de
             chunk = input_ids[:, start : start + chunk_size]
             out = model(chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
         next_token = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(decode_tokens):
+        for step in range(decode_tokens):
             generated.append(next_token)
+            if step == decode_tokens - 1:
+                break  # as vLLM's max_tokens: the first token comes from the prefill, so N tokens = N-1 decode steps
             out = model(next_token, past_key_values=cache, use_cache=True, logits_to_keep=1)
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.cat(generated, dim=1) if generated else input_ids.new_zeros(1, 0)
