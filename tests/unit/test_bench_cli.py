@@ -93,3 +93,55 @@ def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
     assert summary["bench_rows"]
     for name in ("gpu_check.log", "env.txt", "pytest.log", "bench.log", "bench/results.json"):
         assert (out / name).is_file(), name
+
+
+def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_records(tmp_path):
+    """`fidelity.py --config`: the length law as written, ModelOpt's 1/kv_len law refitted from the kept records."""
+    import math
+
+    import numpy as np
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import (
+        default_threshold_trials,
+        fit_phases,
+        points_from_merged_record,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+        build_sparse_attention_config,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+        records_path_for,
+        save_calibration_records,
+    )
+
+    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
+    trials = default_threshold_trials()
+    rng = np.random.default_rng(7)
+    kv_lens, is_decode, counts = [], [], []
+    for n in (512, 1024, 2048, 4096):  # sparsity a function of ln λ + 1.5·ln n (γ = 1.5)
+        for decode in (False, True):
+            for _ in range(3):
+                visited = 10_000
+                s = np.clip((np.log(np.array(trials)) + 0.5 * np.log(n) - 4 + rng.normal(0, 0.2)) / 9, 0, 1)
+                kv_lens.append(n), is_decode.append(decode)
+                counts.append(np.stack([np.full(len(trials), visited), (s * visited).astype(np.int64)], 1))
+    merged = dict(layers=["l"], scale_factors=trials, kv_lens=kv_lens, is_decode=is_decode, counts=np.array(counts))
+    fits = fit_phases(points_from_merged_record(merged))
+    config = tmp_path / "sparse_attention_config.json"
+    config.write_text(json.dumps(build_sparse_attention_config(fits, target_sparsity=0.5)))
+    save_calibration_records(records_path_for(config), merged, {"created": "test"})
+
+    laws, source = engine.laws_from_config(config, ["length", "modelopt"])
+    assert source["records"] == str(records_path_for(config))
+    for phase in ("prefill", "decode"):
+        length, modelopt = laws["length"][phase], laws["modelopt"][phase]
+        assert abs(length.length_exponent - fits[phase].length_exponent) < 1e-9 and length.length_exponent > 1.2
+        assert modelopt.length_exponent == 1.0
+        for t in (0.3, 0.7):
+            assert math.isclose(length.log_scale_factor(t), fits[phase].log_scale_factor(t), rel_tol=1e-9)
+    c_pre, c_dec, g_pre, g_dec = engine.trial_law(laws["length"], 0.3)
+    assert math.isclose(c_pre - g_pre * math.log(1000), math.log(laws["length"]["prefill"].threshold(0.3, 1000)))
+    assert math.isclose(c_dec - g_dec * math.log(1000), math.log(laws["length"]["decode"].threshold(0.3, 1000)))
+    # without records only the written law is measured
+    records_path_for(config).unlink()
+    assert set(engine.laws_from_config(config, ["length", "modelopt"])[0]) == {"length"}
