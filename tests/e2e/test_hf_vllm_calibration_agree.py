@@ -150,7 +150,7 @@ def test_same_prompts_same_samples(both_paths):
     hf = _hf_samples(both_paths["hf_records"])
     for n in prefill:
         assert [k for p, k in sorted(hf) if p == "decode" and n < k <= n + DECODE_TOKENS] == list(
-            range(n + 1, n + DECODE_TOKENS + 1)
+            range(n + 1, n + DECODE_TOKENS)
         )
 
 
