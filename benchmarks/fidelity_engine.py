@@ -8,18 +8,15 @@ engine, our worker class, the checkpoint as users serve it):
    also gives ModelOpt's 1/kv_len law fitted on the same records) or, by default, by running
    `examples/vllm_serve/calibrate_sparse_attn.py` with `--calib-args` first (the command a user runs).
 2. Dense reference (the engine starts dense): perplexity, next-token argmax and greedy tokens of the quality prompts.
-3. One calibration-mode pass with every (law, target) as a trial (`sparse_attn_enable_calibration(laws=...)`):
-   dense output, and per trial exactly the row-tiles serving that law drops (docs/skip_softmax.md), per prompt
-   sent alone; then all prompts again as one mixed batch, whose per-trial totals must equal the sum of the alone
-   runs (counts do not depend on batching).
-4. Serving check: the checkpoint's own law at one target served for real (`sparse_attn_serve`), prompts alone,
-   realized sparsity read from the serving counters (`sparse_attn_status`); they must equal step 3's counts.
-5. Quality per (law, target), served for real: perplexity delta, next-token and greedy agreement with dense.
+3. Every (law, target) served for real (`sparse_attn_serve`): realized sparsity read from the serving counters
+   (`sparse_attn_status`) after each held-out prompt sent alone; at `--serve-check-target` also all prompts as one
+   mixed batch, whose counters must equal the sum of the alone runs; quality against the dense reference.
+4. With `--dense-counts`: one calibration-mode pass with every (law, target) as a trial
+   (`sparse_attn_enable_calibration(laws=...)`), i.e. what calibration, counting on dense activations, predicts.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -82,6 +79,7 @@ def laws_from_config(config_path: Path, want: list[str]) -> tuple[dict, dict]:
         source["records_meta"] = meta
     elif "modelopt" in want:
         logger.warning("no %s beside the config: ModelOpt's law is not measured", records.name)
+    source["attention_classes"] = list(settings.attention_classes or ())
     return {law: f for law, f in fits.items() if law in want and set(f) == set(PHASES)}, source
 
 
@@ -146,24 +144,18 @@ def phase_totals(ranks) -> np.ndarray:
     return np.stack([counts[~decode].sum(0), counts[decode].sum(0)])
 
 
-def count_trials(llm, prompts, trials, decode_tokens: int) -> tuple[list[np.ndarray], np.ndarray, float]:
-    """Per prompt alone, and all together as one batch: phase totals per trial (`phase_totals`)."""
+def count_trials(llm, prompts, trials, decode_tokens: int) -> list[np.ndarray]:
+    """Calibration mode with `trials` as served laws: phase totals per trial (`phase_totals`) per prompt alone."""
     from vllm import SamplingParams
 
     llm.collective_rpc("sparse_attn_enable_calibration", args=(None, None, [list(t) for t in trials]))
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
     llm.collective_rpc("sparse_attn_collect_counts")  # drop anything before
     alone = []
-    t0 = time.time()
-    for i, p in enumerate(_token_prompts(prompts)):
+    for p in _token_prompts(prompts):
         llm.generate([p], params, use_tqdm=False)
         alone.append(phase_totals(llm.collective_rpc("sparse_attn_collect_counts")))
-        logger.info("counted prompt %d/%d alone (%d tokens), %.0f s", i + 1, len(prompts), len(prompts[i]),
-                    time.time() - t0)
-    llm.generate(_token_prompts(prompts), params, use_tqdm=False)
-    batch = phase_totals(llm.collective_rpc("sparse_attn_collect_counts"))
-    logger.info("counted the mixed batch of %d prompts, %.0f s in all", len(prompts), time.time() - t0)
-    return alone, batch, time.time() - t0
+    return alone
 
 
 def _counter_totals(realized: dict) -> np.ndarray:
@@ -255,6 +247,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
                                                                      context, args.decode_tokens)]  # fmt: skip
     max_len = max(len(p) for p in prompts + quality_prompts) + max(args.decode_tokens, 16) + 1
     llm = start_engine(ckpt, min(max_len, context), max_num_seqs=max(len(prompts), len(quality_prompts), 1))
+    classes = law_source["attention_classes"] or None
     keys = [(law, t) for law in laws for t in targets]
     check = (laws[0], args.serve_check_target)
     served, batch_check, quality, counted = {}, None, {}, None
@@ -262,7 +255,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
     try:
         dense = quality_pass(llm, quality_prompts, 16) if quality_prompts else None
         for law, t in keys:
-            block = law_block(fits[law], t, ["LlamaAttention"])
+            block = law_block(fits[law], t, classes)
             alone, together = serve_counters(llm, block, prompts, args.decode_tokens, batch=(law, t) == check)
             served[(law, t)] = alone
             if together is not None:
@@ -274,8 +267,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
                 q["targets"][t] = quality_row(quality_pass(llm, quality_prompts, 16), dense)
             logger.info("served %s law at target %g: %d prompts, %.0f s so far", law, t, len(prompts), time.time() - t0)
         if args.dense_counts:  # what calibration-mode counting (dense activations) predicts for the same laws
-            alone_c, _, _ = count_trials(llm, prompts, [trial_law(fits[law], t) for law, t in keys],
-                                         args.decode_tokens)  # fmt: skip
+            alone_c = count_trials(llm, prompts, [trial_law(fits[law], t) for law, t in keys], args.decode_tokens)
             counted = {key: [a[:, k] for a in alone_c] for k, key in enumerate(keys)}
     finally:
         _shutdown(llm)
@@ -317,7 +309,3 @@ def _shutdown(llm) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
-
-
-def dump(result: dict, path: Path) -> None:
-    path.write_text(json.dumps(result, indent=1, default=str))
