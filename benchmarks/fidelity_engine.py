@@ -306,6 +306,8 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
 
 
 def _shutdown(llm) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
+    """The calibration script's own engine stop (its processes now, not at garbage collection)."""
+    sys.path.insert(0, str(EXAMPLES))
+    from calibrate_sparse_attn import shutdown_engine
+
+    shutdown_engine(llm)

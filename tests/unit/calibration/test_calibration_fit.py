@@ -16,6 +16,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import (
     default_threshold_trials,
     fit_phase,
     fit_phases,
+    level_crossings,
     plot_fit,
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
@@ -99,7 +100,7 @@ def test_aggregate_sums_raw_counts_not_ratios():
         (501, 10.0, 0.5),
         (501, 100.0, 1.0),
     ]
-    assert pts["prefill"] == [FitPoint(0.0, 10.0, 50)]
+    assert pts["prefill"] == [FitPoint(0.0, 10.0, 50, sample=0)]
 
 
 def test_aggregate_rejects_bad_counts():
@@ -214,3 +215,53 @@ def test_phase_calibration_serves_the_fitted_length_law():
     cal = fit.to_phase_calibration(0.5)
     assert cal.length_exponent == pytest.approx(fit.length_exponent)
     assert cal.log_scale_factor == pytest.approx(fit.log_scale_factor(0.5), rel=1e-12)
+
+
+def _s_curve(log_sf, n, u, gamma=1.5, width=1.2):
+    """A sample's sparsity at ln(scale factor): S-shaped as measured ones are, centred (s = 0.5) on the length law
+    ln sf = ln 0.02 + 6.5 + (1 − γ)·ln(n / 2048), shifted by the sample's own text offset u."""
+    centre = math.log(0.02) + 6.5 + (1 - gamma) * math.log(n / 2048) + u
+    return 1.0 / (1.0 + math.exp(-(log_sf - centre) / width))
+
+
+def test_level_crossings_land_nearer_the_target_than_the_point_regression():
+    rng = np.random.default_rng(1)
+    trials = default_threshold_trials()
+    records, offsets = [], []
+    for seq in range(96):  # 24 samples at each of 4 lengths, each with its own text offset
+        n, u = [1024, 2048, 4096, 8192][seq % 4], float(rng.normal(0.0, 0.5))
+        counts = [(4000, round(4000 * _s_curve(math.log(sf), n, u))) for sf in trials]
+        records.append(CalibrationRecord("decode", n, np.array(counts), seq_id=seq))
+        offsets.append((n, u))
+    points = aggregate_counts(records, trials)["decode"]
+    assert {p.sample for p in points} == set(range(96))
+    ours = fit_phase(points, phase="decode")
+    modelopts_way = fit_phase([FitPoint(p.sparsity, p.scale_factor, p.kv_len) for p in points], phase="decode")
+    assert ours.length_exponent == pytest.approx(1.5, abs=0.1)
+
+    def realized(fit, target):  # mean over the samples, as each would be served alone
+        return float(np.mean([_s_curve(math.log(fit.threshold(target, n) * n), n, u) for n, u in offsets]))
+
+    assert realized(ours, 0.5) == pytest.approx(0.5, abs=0.01)
+    for target in (0.3, 0.7):
+        # an exp law cannot follow an S-curve exactly; regressing ln sf on the measured sparsity pulls the law
+        # toward the middle twice as far (measured: 0.26 / 0.74 ours, 0.21 / 0.78 point regression)
+        assert abs(realized(ours, target) - target) < 0.045
+        assert abs(realized(modelopts_way, target) - target) > 0.07
+
+
+def test_level_crossings_never_extrapolate_a_sample():
+    s = np.array([0.1, 0.2, 0.2, 0.15, 0.6, 0.3, 0.5, 0.3, 0.45])
+    log_sf = np.log(np.array([1.0, 2.0, 4.0, 8.0, 16.0, 1.0, 4.0, 1.0, 2.0]))
+    lengths = np.array([1000.0] * 5 + [2000.0] * 2 + [2100.0] * 2)
+    samples = np.array([0, 0, 0, 0, 0, 1, 1, 2, 2])
+    levels, ys, ns = level_crossings(s, log_sf, lengths, samples, levels=(0.05, 0.15, 0.4, 0.48, 0.55, 0.65))
+    # sample 0: running max 0.1, 0.2, 0.2, 0.2, 0.6 (the dip at 8 is count noise); samples 1 and 2 share the 2k
+    # octave, where 0.48 is crossed by 1 (0.3..0.5) but not by 2 (0.3..0.45): dropped for both
+    assert levels.tolist() == [0.15, 0.4, 0.48, 0.55, 0.4, 0.4]
+    assert ns.tolist() == [1000.0] * 4 + [2000.0, 2100.0]
+    assert ys[0] == pytest.approx(0.5 * math.log(2.0))  # between (0.1, sf 1) and the first 0.2 (sf 2)
+    assert ys[1] == pytest.approx(0.5 * (math.log(8.0) + math.log(16.0)))  # from the last 0.2 (sf 8) to 0.6 (sf 16)
+    assert ys[3] == pytest.approx(math.log(8.0) + 0.875 * (math.log(16.0) - math.log(8.0)))
+    assert ys[4] == pytest.approx(0.5 * math.log(4.0))
+    assert ys[5] == pytest.approx(2.0 / 3.0 * math.log(2.0))

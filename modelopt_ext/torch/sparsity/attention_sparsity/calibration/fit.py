@@ -17,6 +17,15 @@ points' lengths. At `n = n_ref` it is ModelOpt's law with the same `(a, b)`, so 
 (which knows only `a`, `b`) serves the calibration exactly at the typical calibration length and approximately
 elsewhere, while our serving uses γ. A single length (or `length_law=False`) gives ModelOpt's fit (γ = 1).
 
+Estimator (ours, `length_law=True` and points that know their sample, as `aggregate_counts` makes them): ModelOpt's
+regression of log(scale_factor) on the *measured* sparsity puts the scatter of the measurements (text to text,
+sample to sample) in the regressor, which flattens the fitted slope: the law then lands short of its target at
+both ends (measured on SmolLM2's calibration samples themselves: target 0.3 realized 0.26-0.27, target 0.7 up to
+0.76). We instead invert each sample's own monotone curve at fixed sparsity levels (`LEVELS`): every sample that
+spans a level gives the log scale factor where it crosses that level, and the regression is on those crossings,
+with the exact level as regressor and all the scatter in log(scale_factor), which is what least squares models.
+Points without a sample (plain `(sparsity, scale_factor)` pairs) use the point regression.
+
 Informative-point rule: a point with sparsity <= `MIN_INFORMATIVE_SPARSITY` (0.01) or >= `MAX_INFORMATIVE_SPARSITY`
 (0.99) is dropped. At those ends sparsity saturates (nothing or nearly everything skipped, or λ >= 1 which is dense
 by definition), so any trial beyond the saturation point lands there and would bend the fit without telling it
@@ -48,6 +57,8 @@ MIN_DISTINCT_TRIALS = 3
 MIN_LENGTH_SPAN = 1.5
 MIN_LENGTH_EXPONENT = 0.0
 MAX_LENGTH_EXPONENT = 4.0
+# Sparsity levels where each sample's curve is inverted (the level-crossing estimator, see the module docstring).
+LEVELS = tuple(round(0.05 * i, 2) for i in range(1, 20))
 
 
 class CalibrationFitError(ValueError):
@@ -76,6 +87,7 @@ class FitPoint:
     sparsity: float
     scale_factor: float
     kv_len: int = 0
+    sample: int = -1  # which sample (sequence-step) it was measured on; -1 unknown (then no level crossings)
 
 
 @dataclass(frozen=True)
@@ -192,12 +204,54 @@ def aggregate_counts(records: Iterable[Any], scale_factors: Sequence[float]) -> 
             sums[key] = counts if key not in sums else sums[key] + counts
     samples = singles + [(phase, kv_len, c) for (phase, _, kv_len), c in sums.items()]
     points: dict[str, list[FitPoint]] = {phase: [] for phase in PHASES}
-    for phase, kv_len, counts in samples:
+    for sample, (phase, kv_len, counts) in enumerate(samples):
         for sf, (visited, skipped) in zip(scale_factors, counts.tolist(), strict=True):
             if visited <= 0 or kv_len <= 0 or sf >= kv_len:
                 continue
-            points[phase].append(FitPoint(skipped / visited, float(sf), kv_len))
+            points[phase].append(FitPoint(skipped / visited, float(sf), kv_len, sample))
     return points
+
+
+def level_crossings(
+    sparsity: np.ndarray, log_sf: np.ndarray, lengths: np.ndarray, samples: np.ndarray, levels: Sequence[float] = LEVELS
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(level, log scale factor, length) where each sample's curve crosses each level, for the levels that every
+    sample of its length octave crosses.
+
+    A sample's points, in trial order, trace sparsity against log scale factor; the curve is made monotone (running
+    maximum: a larger threshold never skips less, so a dip is count noise) and inverted by linear interpolation
+    between the last point at or below the level and the first above it; never extrapolated. A level that only
+    some samples of an octave (round(log2 kv_len)) reach is dropped for all of them: short samples lose their
+    largest trials to the dense cut-off (λ >= 1), so the ones that still reach a high level are those whose text
+    is sparse, and keeping only them would bias the length exponent.
+    """
+    per_sample: dict[int, dict[float, float]] = {}
+    length_of: dict[int, float] = {}
+    for sample in np.unique(samples):
+        idx = np.flatnonzero(samples == sample)
+        idx = idx[np.argsort(log_sf[idx], kind="stable")]
+        curve = np.maximum.accumulate(sparsity[idx])
+        xs = log_sf[idx]
+        crossed = {}
+        for level in levels:
+            if curve[0] < level < curve[-1]:
+                j = int(np.searchsorted(curve, level, side="right"))  # the curve is <= level before j, above at j
+                frac = (level - curve[j - 1]) / (curve[j] - curve[j - 1])
+                crossed[level] = float(xs[j - 1] + frac * (xs[j] - xs[j - 1]))
+        per_sample[int(sample)] = crossed
+        length_of[int(sample)] = float(lengths[idx[0]])
+    octaves: dict[int, list[int]] = {}
+    for sample, n in length_of.items():
+        octaves.setdefault(int(np.round(np.log2(max(n, 1.0)))), []).append(sample)
+    out_s, out_y, out_n = [], [], []
+    for members in octaves.values():
+        shared = set(levels).intersection(*(per_sample[m].keys() for m in members))
+        for sample in members:
+            for level in sorted(shared):
+                out_s.append(level)
+                out_y.append(per_sample[sample][level])
+                out_n.append(length_of[sample])
+    return np.array(out_s, dtype=np.float64), np.array(out_y, dtype=np.float64), np.array(out_n, dtype=np.float64)
 
 
 def fit_phase(
@@ -220,18 +274,21 @@ def fit_phase(
 
     label = f"{phase} calibration" if phase else "calibration"
     pts = [
-        (p.sparsity, p.scale_factor, p.kv_len) if isinstance(p, FitPoint) else (float(p[0]), float(p[1]), 0)
+        (p.sparsity, p.scale_factor, p.kv_len, p.sample) if isinstance(p, FitPoint)
+        else (float(p[0]), float(p[1]), 0, -1)
         for p in points
-    ]
+    ]  # fmt: skip
     n_total = len(pts)
     s = np.array([p[0] for p in pts], dtype=np.float64)
     sf = np.array([p[1] for p in pts], dtype=np.float64)
     lengths = np.array([p[2] for p in pts], dtype=np.float64)
+    samples = np.array([p[3] for p in pts], dtype=np.int64)
     valid = np.isfinite(s) & np.isfinite(sf) & (sf > 0)
     low = int(np.sum(valid & (s <= min_sparsity)))
     high = int(np.sum(valid & (s >= max_sparsity)))
     keep = valid & (s > min_sparsity) & (s < max_sparsity)
-    s, sf, lengths = s[keep], sf[keep], lengths[keep]
+    curves = s[valid], np.log(sf[valid]), lengths[valid], samples[valid]  # whole curves, saturated ends included
+    s, sf, lengths, samples = s[keep], sf[keep], lengths[keep], samples[keep]
     n = int(s.size)
     hint = (
         f"{n} of {n_total} points are informative (sparsity in ({min_sparsity}, {max_sparsity})); "
@@ -256,17 +313,24 @@ def fit_phase(
     log_sf = np.log(sf)
     gamma, n_ref = 1.0, None
     with_lengths = length_law and bool(np.all(lengths > 0)) and lengths.max() >= MIN_LENGTH_SPAN * lengths.min()
+    # Our estimator regresses level crossings (exact sparsity, scattered log sf); ModelOpt's regresses the points.
+    x_s, y, x_len = s, log_sf, lengths
+    if length_law and bool(np.all(curves[3] >= 0)):
+        crossings = level_crossings(*curves)
+        if crossings[0].size >= min_points and np.unique(crossings[0]).size >= MIN_DISTINCT_TRIALS:
+            x_s, y, x_len = crossings
     if with_lengths:
-        n_ref = float(np.exp(np.mean(np.log(lengths))))
-        design = np.stack([np.ones_like(s), s, np.log(lengths / n_ref)], axis=1)
-        (intercept, slope, delta), *_ = np.linalg.lstsq(design, log_sf, rcond=None)
+        n_ref = float(np.exp(np.mean(np.log(x_len))))
+        design = np.stack([np.ones_like(x_s), x_s, np.log(x_len / n_ref)], axis=1)
+        (intercept, slope, delta), *_ = np.linalg.lstsq(design, y, rcond=None)
         gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
         intercept, slope = float(intercept), float(slope)
-        pred = intercept + slope * s + (1.0 - gamma) * np.log(lengths / n_ref)
+        pred = intercept + slope * x_s + (1.0 - gamma) * np.log(x_len / n_ref)
     else:
-        res = stats.linregress(s, log_sf)
+        res = stats.linregress(x_s, y)
         intercept, slope = float(res.intercept), float(res.slope)
-        pred = intercept + slope * s
+        pred = intercept + slope * x_s
+    log_sf = y
     a, b = float(math.exp(intercept)) if math.isfinite(intercept) else math.nan, slope
     ss_res = float(np.sum((log_sf - pred) ** 2))
     ss_tot = float(np.sum((log_sf - log_sf.mean()) ** 2))
@@ -296,9 +360,9 @@ def fit_phase(
         length_range=(int(lengths.min()), int(lengths.max())) if lengths.size and lengths.min() > 0 else None,
     )
     logger.info(
-        "%s: a=%.6g b=%.4f γ=%.3f (n_ref %s) R²=%.4f over %d/%d points, observed sparsity [%.3f, %.3f]",
+        "%s: a=%.6g b=%.4f γ=%.3f (n_ref %s) R²=%.4f over %d/%d points (%s), observed sparsity [%.3f, %.3f]",
         label, fit.a, fit.b, gamma, "-" if n_ref is None else f"{n_ref:.0f}", fit.r2, n, n_total,
-        *fit.sparsity_range,
+        "regression on the points" if x_s is s else f"{x_s.size} level crossings", *fit.sparsity_range,
     )  # fmt: skip
     return fit
 
