@@ -120,7 +120,7 @@ def measure(model, tokenizer, states, fits_by_law, targets, source, length, chun
     keys = [(law, t) for law in fits_by_law for t in targets]
     trials = [
         (tuple(fits_by_law[law][ph].log_scale_factor(t) for ph in PHASES),
-         tuple(fits_by_law[law][ph].length_exponent for ph in PHASES))
+         tuple(fits_by_law[law][ph].exponent(t) for ph in PHASES))
         for law, t in keys
     ]  # fmt: skip
     collector = collect_counts(
@@ -275,7 +275,8 @@ def run_hf(args, targets, lengths, sources, laws, quality_length) -> dict:
     result = dict(
         path="hf", model=str(args.model), laws=laws, targets=targets, lengths=lengths, calib_lengths=calib_lengths,
         calib_samples_per_length=per_length, calib_seconds=calib_s,
-        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent, reference_length=f.reference_length,
+        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent,
+                             length_exponent_slope=f.length_exponent_slope, reference_length=f.reference_length,
                              r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
                     for ph, f in fits[law].items()} for law in laws},
         cells=cells,
@@ -291,7 +292,8 @@ def report(result: dict, targets, sources, lengths, quality_length) -> None:
     for law in result["laws"]:
         fits = result["fits"][law]
         print(f"\n## {law} law ({result['path']} path); fits: " + "; ".join(
-            f"{ph} a={f['a']:.4g} b={f['b']:.4g} γ={f['length_exponent']:.3f} R²={f['r2']:.3f}"
+            f"{ph} a={f['a']:.4g} b={f['b']:.4g} γ={f['length_exponent']:.3f}{f['length_exponent_slope']:+.3f}·(s−0.5) "
+            f"R²={f['r2']:.3f}"
             for ph, f in fits.items()))  # fmt: skip
         for ph in PHASES:
             print(f"\n{ph} realized sparsity (held-out, {', '.join(sources)}):")

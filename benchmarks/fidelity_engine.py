@@ -40,14 +40,16 @@ logger = logging.getLogger("fidelity")
 
 
 def _fit_from_calibration(calib):
-    """A `PhaseFit` carrying a checkpoint phase's law (a, b, γ, n_ref), to evaluate it at any target."""
+    """A `PhaseFit` carrying a checkpoint phase's law (a, b, γ at the pivot, γ', n_ref), to evaluate it at any
+    target."""
     from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import PhaseFit
 
-    gamma = 1.0 if calib.length_exponent is None else float(calib.length_exponent)
+    gamma, slope = float(calib.pivot_length_exponent), float(calib.length_exponent_slope)
     return PhaseFit(
         a=calib.a, b=calib.b, r2=calib.r2 if calib.r2 is not None else math.nan, n_points=calib.n_points or 0,
         sparsity_range=tuple(calib.observed_sparsity_range or (0.0, 1.0)), phase="",
-        length_exponent=gamma, reference_length=calib.reference_length if gamma != 1.0 else None,
+        length_exponent=gamma, length_exponent_slope=slope,
+        reference_length=calib.reference_length if (gamma, slope) != (1.0, 0.0) else None,
     )  # fmt: skip
 
 
@@ -108,7 +110,7 @@ def law_block(fits: dict, target: float, classes: list[str]) -> dict:
 def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
     """(c_prefill, c_decode, γ_prefill, γ_decode) serving `fits` at `target` (docs/skip_softmax.md)."""
     return (fits["prefill"].log_scale_factor(target), fits["decode"].log_scale_factor(target),
-            fits["prefill"].length_exponent, fits["decode"].length_exponent)  # fmt: skip
+            fits["prefill"].exponent(target), fits["decode"].exponent(target))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------- the engine
@@ -298,7 +300,8 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         path="engine", model=str(ckpt), laws=laws, law_source=law_source, targets=targets, lengths=lengths,
         seeds=seeds, sources=sources, decode_tokens=args.decode_tokens, calib_seconds=calib_seconds,
         serve_seconds=time.time() - t0, calib_args=None if args.config else args.calib_args,
-        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent, reference_length=f.reference_length,
+        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent,
+                             length_exponent_slope=f.length_exponent_slope, reference_length=f.reference_length,
                              r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
                     for ph, f in fits[law].items()} for law in laws},
         cells=cells, batch_check=batch_check, quality=quality or None,

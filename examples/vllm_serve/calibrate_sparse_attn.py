@@ -543,9 +543,10 @@ def fit_and_write(args, plan: Plan, merged: dict) -> int:
         plot_path = None
     for phase, fit in fits.items():
         target = targets[phase]
-        logger.info("%s: a=%.4g b=%.4g γ=%.3f (R²=%.3f, %d points, observed sparsity %.2f..%.2f); target %.2f -> "
-                    "scale factor %.4g", phase, fit.a, fit.b, fit.length_exponent, fit.r2, fit.n_points,
-                    *fit.sparsity_range, target, fit.scale_factor(target))
+        logger.info("%s: a=%.4g b=%.4g γ=%.3f at target %.2f (slope %+.3g; R²=%.3f, %d points, observed sparsity "
+                    "%.2f..%.2f); target %.2f -> scale factor %.4g", phase, fit.a, fit.b, fit.exponent(target), target,
+                    fit.length_exponent_slope, fit.r2, fit.n_points, *fit.sparsity_range, target,
+                    fit.scale_factor(target))  # fmt: skip
         log_unreachable(fit, target)
     for phase in PHASES:
         if phase not in wanted:

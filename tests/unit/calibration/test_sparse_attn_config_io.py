@@ -564,3 +564,39 @@ def test_importable_without_vllm_torch_or_modelopt():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_length_exponent_slope_gives_each_target_its_own_exponent(tmp_path, caplog):
+    """γ(target) = length_exponent + length_exponent_slope·(target − 0.5): the checkpoint stores γ at the pivot,
+    so a target edited by hand in config.json is served with its own γ, and a build → load round trip keeps it."""
+    block = _block(length_exponent={"prefill": 1.8}, length_exponent_slope={"prefill": -1.5},
+                   reference_length={"prefill": 2048}, target_sparsity=0.3)  # fmt: skip
+    s = parse_sparse_attention_config(block)
+    gamma = 1.8 - 1.5 * (0.3 - 0.5)
+    assert s.prefill.length_exponent == pytest.approx(gamma, rel=1e-15)
+    assert s.prefill.length_exponent_slope == -1.5 and s.prefill.pivot_length_exponent == pytest.approx(1.8)
+    assert s.prefill.log_scale_factor == pytest.approx(
+        math.log(7.93) + 8.61 * 0.3 + (gamma - 1.0) * math.log(2048), rel=1e-15
+    )
+    assert s.decode.length_exponent == 1.0 and s.decode.length_exponent_slope == 0.0  # no extras: ModelOpt's law
+    # written back as γ at the pivot (not at this target), so the block is the same
+    again = build_sparse_attention_config(s, producer=block["producer"])
+    g = again["config_groups"]["group_0"]
+    assert g["length_exponent"]["prefill"] == pytest.approx(1.8) and g["length_exponent_slope"] == {"prefill": -1.5}
+    # the same block at another target (as a user edits it): that target's γ
+    block["config_groups"]["group_0"]["target_sparsity"] = {"prefill": 0.7, "decode": 0.7}
+    assert parse_sparse_attention_config(block).prefill.length_exponent == pytest.approx(1.8 - 1.5 * 0.2)
+    # a target that would push γ out of [0, 4]: served at the bound, and the log says so at load
+    steep = _block(length_exponent={"prefill": 1.0}, length_exponent_slope={"prefill": -10.0},
+                   reference_length={"prefill": 2048}, target_sparsity=0.1)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert parse_sparse_attention_config(steep).prefill.length_exponent == 4.0
+    assert "length exponent 5 at target 0.1 lies outside [0, 4]; serving 4" in caplog.text
+    # the slope belongs to a calibrated phase, and is a number
+    bad = _block(length_exponent_slope={"decode": -1.0})
+    del bad["config_groups"]["group_0"]["threshold_scale_factor"]["decode"]
+    with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.length_exponent_slope\.decode: is set but "
+                       r"threshold_scale_factor\.decode does not calibrate decode"):  # fmt: skip
+        parse_sparse_attention_config(bad)
+    with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.length_exponent_slope\.prefill: must be a finite"):
+        parse_sparse_attention_config(_block(length_exponent_slope={"prefill": float("inf")}))

@@ -119,6 +119,7 @@ def _calibration_to_dict(cal: PhaseCalibration | None) -> dict | None:
         "r2": None if cal.r2 is None else float(cal.r2),
         "n_points": None if cal.n_points is None else int(cal.n_points),
         "length_exponent": float(cal.length_exponent),
+        "length_exponent_slope": float(cal.length_exponent_slope),
         "reference_length": None if cal.reference_length is None else float(cal.reference_length),
     }
 
@@ -136,6 +137,7 @@ def _calibration_from_dict(raw: dict | None) -> PhaseCalibration | None:
         n_points=raw.get("n_points"),
         length_exponent=raw.get("length_exponent", 1.0),
         reference_length=raw.get("reference_length"),
+        length_exponent_slope=raw.get("length_exponent_slope", 0.0),
     )
 
 

@@ -85,6 +85,9 @@ MODELOPT_STATIC_THRESHOLD = 0.1
 MODELOPT_DEFAULT_SPARSITY_N = 2
 # Our optional per-phase length exponent γ; ModelOpt's law is γ = 1.
 LENGTH_EXPONENT_RANGE = (0.0, 4.0)
+# γ may vary with the target: γ(target) = length_exponent + length_exponent_slope·(target − pivot). The checkpoint
+# stores γ at this fixed pivot, so a target edited by hand in config.json is served with the right γ.
+LENGTH_EXPONENT_PIVOT = 0.5
 # Calibration results inside the skip_softmax group: replaced as a whole on recalibration. Every other group key
 # (ignore, initial_disabled_steps, targets, keys of a newer ModelOpt) is policy and survives a recalibration.
 CALIBRATION_KEYS = (
@@ -93,6 +96,7 @@ CALIBRATION_KEYS = (
     "observed_sparsity_range",
     "fit",
     "length_exponent",
+    "length_exponent_slope",
     "reference_length",
 )
 
@@ -378,6 +382,11 @@ class PhaseExponents(_PhaseMap):
     decode: LengthExponent | None = None
 
 
+class PhaseSlopes(_PhaseMap):
+    prefill: Finite | None = None
+    decode: Finite | None = None
+
+
 class PhaseLengths(_PhaseMap):
     prefill: ReferenceLength | None = None
     decode: ReferenceLength | None = None
@@ -397,6 +406,7 @@ class SkipSoftmaxGroup(_Open):
     observed_sparsity_range: PhaseRanges | None = None
     fit: PhaseFits | None = None
     length_exponent: PhaseExponents | None = None
+    length_exponent_slope: PhaseSlopes | None = None
     reference_length: PhaseLengths | None = None
 
     def calibrated(self, phase: str) -> ABParams | None:
@@ -413,7 +423,7 @@ class SkipSoftmaxGroup(_Open):
     def _check_law(self) -> SkipSoftmaxGroup:
         for phase in PHASES:
             params = self.calibrated(phase)
-            for key in ("length_exponent", "reference_length"):
+            for key in ("length_exponent", "length_exponent_slope", "reference_length"):
                 if self.per_phase(key, phase) is not None and (params is None or params.a == 0.0):
                     raise _fail(
                         f"is set but threshold_scale_factor.{phase} does not calibrate {phase} (a > 0): remove it, "
@@ -487,6 +497,19 @@ class SparseAttentionBlock(_Open):
 # ------------------------------------------------------------------------------------------------ resolution
 
 
+def served_length_exponent(pivot: float, slope: float, target: float, where: str = "") -> float:
+    """γ(target) = pivot + slope·(target − LENGTH_EXPONENT_PIVOT), kept inside LENGTH_EXPONENT_RANGE (a target
+    far from the calibrated ones could push a steep slope outside; that is logged, not fatal)."""
+    gamma = pivot + slope * (target - LENGTH_EXPONENT_PIVOT)
+    lo, hi = LENGTH_EXPONENT_RANGE
+    if not lo <= gamma <= hi:
+        clipped = min(max(gamma, lo), hi)
+        logger.warning("%s: length exponent %.3g at target %g lies outside [%g, %g]; serving %g (recalibrate for "
+                       "this target)", where or "length law", gamma, target, lo, hi, clipped)  # fmt: skip
+        gamma = clipped
+    return gamma
+
+
 @pydantic_dataclass(frozen=True)
 class PhaseCalibration:
     """How one phase is served: ln λ_row = log_scale_factor − length_exponent·ln(n) (docs/skip_softmax.md).
@@ -494,6 +517,8 @@ class PhaseCalibration:
     NVIDIA ModelOpt's law `λ = a·exp(b·target) / n`: `log_scale_factor = ln a + b·target`, `length_exponent = 1`.
     Our length law (γ, n_ref): `log_scale_factor = ln a + b·target + (γ − 1)·ln n_ref`, i.e. ModelOpt's λ at
     n = n_ref. ModelOpt's static λ (a group without calibration): `a = λ`, `b = 0`, `length_exponent = 0`.
+    `length_exponent` is the γ served at `target_sparsity`; `length_exponent_slope` is dγ/d(target), kept so the
+    checkpoint can store γ at `LENGTH_EXPONENT_PIVOT` (`pivot_length_exponent`) and any target gets its own γ.
     """
 
     a: NonNegative
@@ -505,6 +530,12 @@ class PhaseCalibration:
     n_points: Count | None = None
     length_exponent: LengthExponent = 1.0
     reference_length: ReferenceLength | None = None
+    length_exponent_slope: Finite = 0.0
+
+    @property
+    def pivot_length_exponent(self) -> float:
+        """γ at `LENGTH_EXPONENT_PIVOT`: what the checkpoint stores as `length_exponent`."""
+        return self.length_exponent - self.length_exponent_slope * (self.target_sparsity - LENGTH_EXPONENT_PIVOT)
 
     @property
     def log_scale_factor(self) -> float:
@@ -531,8 +562,9 @@ class PhaseCalibration:
 
     @property
     def is_static(self) -> bool:
-        """A length-independent λ (γ = 0), e.g. ModelOpt's static default threshold."""
-        return self.length_exponent == 0.0
+        """One λ for every row, whatever the target and length (b = 0, γ = 0), e.g. ModelOpt's static default
+        threshold; a calibrated law (b > 0) whose γ happens to be 0 at its target is not static."""
+        return self.b == 0.0 and self.length_exponent == 0.0 and self.length_exponent_slope == 0.0
 
     @property
     def dense_below(self) -> float:
@@ -680,7 +712,8 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             target = DEFAULT_TARGET_SPARSITY
         observed = None if group.observed_sparsity_range is None else group.observed_sparsity_range.get(phase)
         fit = None if group.fit is None else group.fit.get(phase)
-        gamma = group.per_phase("length_exponent", phase)
+        gamma, slope = group.per_phase("length_exponent", phase), group.per_phase("length_exponent_slope", phase)
+        gamma = served_length_exponent(1.0 if gamma is None else gamma, slope or 0.0, target, f"{gpath} {phase}")
         if observed is not None and not observed[0] <= target <= observed[1]:
             logger.warning(
                 "%s target sparsity %.3f lies outside the sparsity range observed during calibration [%.3f, %.3f]: "
@@ -695,8 +728,9 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             observed_sparsity_range=observed,
             r2=None if fit is None else fit.r2,
             n_points=None if fit is None else fit.n_points,
-            length_exponent=1.0 if gamma is None else gamma,
+            length_exponent=gamma,
             reference_length=group.per_phase("reference_length", phase),
+            length_exponent_slope=slope or 0.0,
         )
     if all(cal is None for cal in phases.values()):
         logger.warning("%s: no phase is calibrated with a > 0; the checkpoint is served dense", gpath)

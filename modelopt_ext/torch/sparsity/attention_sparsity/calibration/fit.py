@@ -11,11 +11,15 @@ against `ln λ`), so a relative error is the meaningful one and the largest tria
 
 Length law (ours, beside ModelOpt's): the 1/kv_len law assumes the threshold for a given sparsity scales as 1/n.
 Measured, it does not (decode sparsity at a fixed scale factor falls with length), so when the points span several
-lengths the fit is `log(scale_factor) = log(a) + b * sparsity + (1 - γ) * log(n / n_ref)`, i.e.
+lengths the fit is `log(scale_factor) = log(a) + b * sparsity + (1 - γ(sparsity)) * log(n / n_ref)`, i.e.
 `λ = a * exp(b * sparsity) / n_ref * (n_ref / n)^γ`, with the reference length `n_ref` the geometric mean of the
-points' lengths. At `n = n_ref` it is ModelOpt's law with the same `(a, b)`, so a ModelOpt reader of the checkpoint
-(which knows only `a`, `b`) serves the calibration exactly at the typical calibration length and approximately
-elsewhere, while our serving uses γ. A single length (or `length_law=False`) gives ModelOpt's fit (γ = 1).
+points' lengths. The exponent may vary with the sparsity, `γ(s) = γ + γ'·(s − 0.5)` (schema's
+`LENGTH_EXPONENT_PIVOT`), fitted on level crossings only: measured on SmolLM2's held-out prose the threshold for
+sparsity 0.3 falls as n^-2.5 while the one for 0.7 falls as n^-1.1, so one γ overshoots one end of the target range
+at short lengths and the other at long ones. γ' is written as `length_exponent_slope`. At `n = n_ref` it is
+ModelOpt's law with the same `(a, b)`, so a ModelOpt reader of the checkpoint (which knows only `a`, `b`) serves the
+calibration exactly at the typical calibration length and approximately elsewhere, while our serving uses γ. A
+single length (or `length_law=False`) gives ModelOpt's fit (γ = 1).
 
 Estimator (ours, `length_law=True` and points that know their sample, as `aggregate_counts` makes them): ModelOpt's
 regression of log(scale_factor) on the *measured* sparsity puts the scatter of the measurements (text to text,
@@ -45,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..plugins.sparse_attn_config import PHASES, PhaseCalibration
+from ..schema import LENGTH_EXPONENT_PIVOT, served_length_exponent
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +107,16 @@ class PhaseFit:
     n_total: int = 0
     phase: str = ""
     notes: tuple[str, ...] = field(default=())
-    length_exponent: float = 1.0  # γ: λ ∝ n^-γ at a fixed sparsity (1 = ModelOpt's 1/kv_len law)
+    length_exponent: float = 1.0  # γ at LENGTH_EXPONENT_PIVOT: λ ∝ n^-γ at a fixed sparsity (1 = ModelOpt's law)
     reference_length: float | None = None  # n_ref where (a, b) is exactly ModelOpt's law; None for γ = 1
     length_range: tuple[int, int] | None = None  # shortest and longest sample the fit saw
+    length_exponent_slope: float = 0.0  # dγ/d(sparsity): γ(s) = length_exponent + slope·(s − pivot)
+
+    def exponent(self, target_sparsity: float) -> float:
+        """γ served at `target_sparsity` (clipped to the schema's range)."""
+        if self.length_exponent_slope == 0.0:
+            return self.length_exponent
+        return served_length_exponent(self.length_exponent, self.length_exponent_slope, target_sparsity, self.phase)
 
     def scale_factor(self, target_sparsity: float) -> float:
         """ModelOpt's scale factor a·exp(b·target) (= λ·n at n = n_ref)."""
@@ -114,25 +126,27 @@ class PhaseFit:
         """c of docs/skip_softmax.md: ln λ_row = c − γ·ln(n)."""
         c = math.log(self.a) + self.b * target_sparsity
         if self.reference_length is not None:
-            c += (self.length_exponent - 1.0) * math.log(self.reference_length)
+            c += (self.exponent(target_sparsity) - 1.0) * math.log(self.reference_length)
         return c
 
     def threshold(self, target_sparsity: float, length: int) -> float:
         """λ of a row whose law length is `length` (>= 1 means dense)."""
-        return math.exp(self.log_scale_factor(target_sparsity) - self.length_exponent * math.log(max(length, 1)))
+        gamma = self.exponent(target_sparsity)
+        return math.exp(self.log_scale_factor(target_sparsity) - gamma * math.log(max(length, 1)))
 
     def dense_below(self, target_sparsity: float) -> float:
         """Rows with law length <= this run dense at `target_sparsity` (λ >= 1): the law cannot reach the target
         there. 0 when every length is reachable, inf when none is."""
-        c = self.log_scale_factor(target_sparsity)
-        if self.length_exponent <= 0:
+        c, gamma = self.log_scale_factor(target_sparsity), self.exponent(target_sparsity)
+        if gamma <= 0:
             return math.inf if c >= 0 else 0.0
-        return max(0.0, math.exp(c / self.length_exponent)) if c > 0 else 0.0
+        return max(0.0, math.exp(c / gamma)) if c > 0 else 0.0
 
     def to_phase_calibration(self, target_sparsity: float) -> PhaseCalibration:
         extras = {}
         if self.reference_length is not None:
-            extras = dict(length_exponent=self.length_exponent, reference_length=self.reference_length)
+            extras = dict(length_exponent=self.exponent(target_sparsity), reference_length=self.reference_length,
+                          length_exponent_slope=self.length_exponent_slope)  # fmt: skip
         return PhaseCalibration(
             self.a,
             self.b,
@@ -315,17 +329,29 @@ def fit_phase(
     with_lengths = length_law and bool(np.all(lengths > 0)) and lengths.max() >= MIN_LENGTH_SPAN * lengths.min()
     # Our estimator regresses level crossings (exact sparsity, scattered log sf); ModelOpt's regresses the points.
     x_s, y, x_len = s, log_sf, lengths
+    on_levels = False
     if length_law and bool(np.all(curves[3] >= 0)):
         crossings = level_crossings(*curves)
         if crossings[0].size >= min_points and np.unique(crossings[0]).size >= MIN_DISTINCT_TRIALS:
             x_s, y, x_len = crossings
+            on_levels = True
+    gamma_slope = 0.0
     if with_lengths:
         n_ref = float(np.exp(np.mean(np.log(x_len))))
-        design = np.stack([np.ones_like(x_s), x_s, np.log(x_len / n_ref)], axis=1)
-        (intercept, slope, delta), *_ = np.linalg.lstsq(design, y, rcond=None)
+        log_len = np.log(x_len / n_ref)
+        columns = [np.ones_like(x_s), x_s, log_len]
+        # A sparsity-dependent exponent only on level crossings, whose sparsity is exact: with the measured
+        # sparsity as regressor its scatter would leak into the interaction term.
+        vary = on_levels and np.unique(x_s).size >= MIN_DISTINCT_TRIALS and np.unique(x_len).size >= 2
+        if vary:
+            columns.append((x_s - LENGTH_EXPONENT_PIVOT) * log_len)
+        coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), y, rcond=None)
+        intercept, slope, delta = (float(v) for v in coef[:3])
         gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
-        intercept, slope = float(intercept), float(slope)
-        pred = intercept + slope * x_s + (1.0 - gamma) * np.log(x_len / n_ref)
+        gamma_slope = -float(coef[3]) if vary else 0.0
+        gamma_at = np.clip(gamma + gamma_slope * (x_s - LENGTH_EXPONENT_PIVOT), MIN_LENGTH_EXPONENT,
+                           MAX_LENGTH_EXPONENT)  # fmt: skip
+        pred = intercept + slope * x_s + (1.0 - gamma_at) * log_len
     else:
         res = stats.linregress(x_s, y)
         intercept, slope = float(res.intercept), float(res.slope)
@@ -358,10 +384,12 @@ def fit_phase(
         length_exponent=gamma,
         reference_length=n_ref,
         length_range=(int(lengths.min()), int(lengths.max())) if lengths.size and lengths.min() > 0 else None,
+        length_exponent_slope=gamma_slope,
     )
     logger.info(
-        "%s: a=%.6g b=%.4f γ=%.3f (n_ref %s) R²=%.4f over %d/%d points (%s), observed sparsity [%.3f, %.3f]",
-        label, fit.a, fit.b, gamma, "-" if n_ref is None else f"{n_ref:.0f}", fit.r2, n, n_total,
+        "%s: a=%.6g b=%.4f γ=%.3f%+.3f·(s−%g) (n_ref %s) R²=%.4f over %d/%d points (%s), observed sparsity "
+        "[%.3f, %.3f]", label, fit.a, fit.b, gamma, gamma_slope, LENGTH_EXPONENT_PIVOT,
+        "-" if n_ref is None else f"{n_ref:.0f}", fit.r2, n, n_total,
         "regression on the points" if x_s is s else f"{x_s.size} level crossings", *fit.sparsity_range,
     )  # fmt: skip
     return fit

@@ -131,8 +131,8 @@ def build_sparse_attention_config(
 
     `fits` is a `SparseAttentionSettings` or a mapping phase -> fit, where a fit is anything with `a` and `b`
     (attributes or keys; `calibration.fit.PhaseFit`, `PhaseCalibration`, a dict) and optionally `r2`, `n_points`,
-    `sparsity_range` / `observed_sparsity_range`, `length_exponent` and `reference_length` (our length law,
-    written only when γ differs from ModelOpt's 1). A phase mapped to None or left out stays dense.
+    `sparsity_range` / `observed_sparsity_range`, `length_exponent`, `length_exponent_slope` and `reference_length`
+    (our length law, written only when γ differs from ModelOpt's 1). A phase mapped to None or left out stays dense.
     `target_sparsity` (one number or per phase) overrides targets carried by the fits; every calibrated phase needs
     one. The result is validated before it is returned.
     """
@@ -148,6 +148,7 @@ def build_sparse_attention_config(
     observed: dict[str, list[float]] = {}
     quality: dict[str, dict[str, Any]] = {}
     exponents: dict[str, float] = {}
+    slopes: dict[str, float] = {}
     lengths: dict[str, float] = {}
     for phase in PHASES:
         fit = fits.get(phase)
@@ -175,9 +176,14 @@ def build_sparse_attention_config(
                 quality[phase]["r2"] = _as_number(r2)
             if n_points is not None:
                 quality[phase]["n_points"] = int(n_points)
-        gamma, n_ref = _get(fit, "length_exponent"), _get(fit, "reference_length")
-        if gamma is not None and gamma != 1.0:
+        # γ at the pivot target (a PhaseCalibration carries the γ served at its own target; a fit, the pivot's).
+        gamma = _get(fit, "pivot_length_exponent")
+        gamma = _get(fit, "length_exponent") if gamma is None else gamma
+        slope, n_ref = _get(fit, "length_exponent_slope") or 0.0, _get(fit, "reference_length")
+        if gamma is not None and (gamma != 1.0 or slope != 0.0):
             exponents[phase] = _as_number(gamma)
+            if slope != 0.0:
+                slopes[phase] = _as_number(slope)
             if n_ref is not None:
                 lengths[phase] = _as_number(n_ref)
     group: dict[str, Any] = {
@@ -194,6 +200,8 @@ def build_sparse_attention_config(
         group["fit"] = quality
     if exponents:
         group["length_exponent"] = exponents
+    if slopes:
+        group["length_exponent_slope"] = slopes
     if lengths:
         group["reference_length"] = lengths
     block = {
