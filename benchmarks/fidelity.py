@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0", help="held-out document orders per (source, length), e.g. 0,1,2")
     p.add_argument("--serve-check-target", type=float, default=0.5,
                    help="engine: at this target of the first law, all prompts are also served as one mixed batch")
+    p.add_argument("--dtype", default="auto", help="engine: model dtype for vLLM (default auto, as users serve; "
+                   "float32 makes vLLM's dense layers batch invariant for the mixed-batch check)")
     p.add_argument("--dense-counts", action="store_true",
                    help="engine: also count every law in calibration mode (dense activations, one pass) to show "
                         "how far serving's own drops move later layers' decisions")
@@ -312,8 +314,12 @@ def report(result: dict, targets, sources, lengths, quality_length) -> None:
                       f"{r['greedy_agree']:.3f} |")
     if result.get("batch_check") is not None:
         b = result["batch_check"]
-        print(f"\nmixed batch vs each prompt alone ({b['law']} law, target {b['target']:g}): serving counters "
-              f"{'identical' if b['equal'] else 'DIFFER'} (alone {b['alone']}, batch {b['batch']})")
+        same = {ph: "identical" if b[f"{ph}_equal"] else "DIFFER" for ph in PHASES}
+        print(f"\nmixed batch vs each prompt alone ({b['law']} law, target {b['target']:g}, dtype {b['dtype']}): "
+              f"prefill counters {same['prefill']}, decode counters {same['decode']} (alone {b['alone']}, batch "
+              f"{b['batch']}); greedy tokens differ for {len(b['tokens_differ'])} of the prompts"
+              + (" (vLLM's dense layers are not batch invariant at this dtype: decode then runs on other contexts)"
+                 if b["tokens_differ"] else ""))  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -116,7 +116,7 @@ def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
 # ----------------------------------------------------------------------------------------------------- the engine
 
 
-def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int):
+def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str = "auto"):
     """vLLM's default engine (multi-process) with our worker class, as the example scripts start it."""
     sys.path.insert(0, str(EXAMPLES))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
@@ -127,7 +127,7 @@ def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int):
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every held-out prompt at once fits
     return LLM(model=str(ckpt), max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
-               seed=0, max_num_seqs=max_num_seqs, worker_cls=default_worker_cls())  # fmt: skip
+               seed=0, max_num_seqs=max_num_seqs, dtype=dtype, worker_cls=default_worker_cls())  # fmt: skip
 
 
 def _token_prompts(prompts):
@@ -165,24 +165,34 @@ def _counter_totals(realized: dict) -> np.ndarray:
     return np.array([[realized[ph]["visited"], realized[ph]["skipped"]] for ph in PHASES], dtype=np.int64)
 
 
-def serve_counters(llm, block: dict, prompts, decode_tokens: int, batch: bool) -> tuple[list[np.ndarray], np.ndarray]:
+def serve_counters(llm, block: dict, prompts, decode_tokens: int, batch: bool) -> tuple[list[np.ndarray], dict | None]:
     """Serve `block` for real; the serving counters (`_counter_totals`) after each prompt alone and, with `batch`,
-    after all of them as one mixed batch."""
+    the comparison with all of them as one mixed batch (`batch_comparison`)."""
     from vllm import SamplingParams
 
     llm.collective_rpc("sparse_attn_serve", args=(block,))
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
-    alone = []
+    alone, tokens = [], []
     for p in _token_prompts(prompts):
         llm.collective_rpc("sparse_attn_reset_stats")
-        llm.generate([p], params, use_tqdm=False)
+        tokens.append(list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids))
         alone.append(_counter_totals(llm.collective_rpc("sparse_attn_status")[0]["realized"]))
-    together = None
-    if batch:
-        llm.collective_rpc("sparse_attn_reset_stats")
-        llm.generate(_token_prompts(prompts), params, use_tqdm=False)
-        together = _counter_totals(llm.collective_rpc("sparse_attn_status")[0]["realized"])
-    return alone, together
+    if not batch:
+        return alone, None
+    llm.collective_rpc("sparse_attn_reset_stats")
+    outs = llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+    together = _counter_totals(llm.collective_rpc("sparse_attn_status")[0]["realized"])
+    return alone, batch_comparison(sum(alone), together, tokens, [list(o.outputs[0].token_ids) for o in outs])
+
+
+def batch_comparison(alone: np.ndarray, together: np.ndarray, tokens_alone, tokens_together) -> dict:
+    """Alone vs mixed batch, per phase. Decode counters can only match where the greedy tokens do: the context of
+    a decode step is what was generated, and vLLM's dense layers (bf16 GEMMs whose blocking follows the batch) are
+    not batch invariant, so a prompt may generate other tokens in a batch with no sparse layer at all."""
+    differ = [i for i, (a, b) in enumerate(zip(tokens_alone, tokens_together, strict=True)) if a != b]
+    return dict(prefill_equal=bool(np.array_equal(alone[0], together[0])),
+                decode_equal=bool(np.array_equal(alone[1], together[1])), tokens_differ=differ,
+                equal=bool(np.array_equal(alone, together)), alone=alone.tolist(), batch=together.tolist())  # fmt: skip
 
 
 def quality_pass(llm, prompts, new_tokens: int) -> dict:
@@ -248,7 +258,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         quality_prompts = [ids for s, n, seed, ids in heldout_prompts(tokenizer, sources, [args.quality_length], [0],
                                                                      context, args.decode_tokens)]  # fmt: skip
     max_len = max(len(p) for p in prompts + quality_prompts) + max(args.decode_tokens, 16) + 1
-    llm = start_engine(ckpt, min(max_len, context), max_num_seqs=max(len(prompts), len(quality_prompts), 1))
+    llm = start_engine(ckpt, min(max_len, context), max(len(prompts), len(quality_prompts), 1), args.dtype)
     classes = law_source["attention_classes"] or None
     keys = [(law, t) for law in laws for t in targets]
     check = (laws[0], args.serve_check_target)
@@ -258,12 +268,10 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         dense = quality_pass(llm, quality_prompts, 16) if quality_prompts else None
         for law, t in keys:
             block = law_block(fits[law], t, classes)
-            alone, together = serve_counters(llm, block, prompts, args.decode_tokens, batch=(law, t) == check)
+            alone, compared = serve_counters(llm, block, prompts, args.decode_tokens, batch=(law, t) == check)
             served[(law, t)] = alone
-            if together is not None:
-                total = sum(alone)
-                batch_check = dict(law=law, target=t, equal=bool(np.array_equal(total, together)),
-                                   alone=total.tolist(), batch=together.tolist())  # fmt: skip
+            if compared is not None:
+                batch_check = dict(law=law, target=t, dtype=args.dtype, **compared)
             if dense is not None:
                 q = quality.setdefault(law, dict(dense_ppl=math.exp(dense["nll"] / dense["tokens"]), targets={}))
                 q["targets"][t] = quality_row(quality_pass(llm, quality_prompts, 16), dense)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -136,7 +138,8 @@ def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_reco
     for phase in ("prefill", "decode"):
         length, modelopt = laws["length"][phase], laws["modelopt"][phase]
         assert abs(length.length_exponent - fits[phase].length_exponent) < 1e-9 and length.length_exponent > 1.2
-        assert modelopt.length_exponent == 1.0
+        assert length.length_exponent_slope == pytest.approx(fits[phase].length_exponent_slope, abs=1e-9)
+        assert modelopt.length_exponent == 1.0 and modelopt.length_exponent_slope == 0.0
         for t in (0.3, 0.7):
             assert math.isclose(length.log_scale_factor(t), fits[phase].log_scale_factor(t), rel_tol=1e-9)
     c_pre, c_dec, g_pre, g_dec = engine.trial_law(laws["length"], 0.3)
@@ -145,3 +148,15 @@ def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_reco
     # without records only the written law is measured
     records_path_for(config).unlink()
     assert set(engine.laws_from_config(config, ["length", "modelopt"])[0]) == {"length"}
+
+
+def test_fidelity_batch_check_separates_phases_and_names_prompts_whose_tokens_differ():
+    import numpy as np
+
+    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
+    alone = np.array([[1000, 400], [50, 20]])
+    same = engine.batch_comparison(alone, alone.copy(), [[1, 2], [3, 4]], [[1, 2], [3, 4]])
+    assert same["equal"] and same["prefill_equal"] and same["decode_equal"] and same["tokens_differ"] == []
+    other = engine.batch_comparison(alone, np.array([[1000, 400], [50, 21]]), [[1, 2], [3, 4]], [[1, 2], [3, 5]])
+    assert other["prefill_equal"] and not other["decode_equal"] and not other["equal"]
+    assert other["tokens_differ"] == [1] and other["batch"] == [[1000, 400], [50, 21]]
