@@ -497,11 +497,14 @@ class SparseAttentionBlock(_Open):
 # ------------------------------------------------------------------------------------------------ resolution
 
 
-def served_length_exponent(pivot: float, slope: float, target: float, where: str = "") -> float:
+def served_length_exponent(pivot: float, slope: float, target: float, where: str | None = "") -> float:
     """γ(target) = pivot + slope·(target − LENGTH_EXPONENT_PIVOT), kept inside LENGTH_EXPONENT_RANGE (a target
-    far from the calibrated ones could push a steep slope outside; that is logged, not fatal)."""
+    far from the calibrated ones could push a steep slope outside; that is logged, not fatal, unless `where` is
+    None: a fit evaluated over a grid of targets)."""
     gamma = pivot + slope * (target - LENGTH_EXPONENT_PIVOT)
     lo, hi = LENGTH_EXPONENT_RANGE
+    if not lo <= gamma <= hi and where is None:
+        return min(max(gamma, lo), hi)
     if not lo <= gamma <= hi:
         clipped = min(max(gamma, lo), hi)
         logger.warning("%s: length exponent %.3g at target %g lies outside [%g, %g]; serving %g (recalibrate for "

@@ -116,7 +116,7 @@ class PhaseFit:
         """γ served at `target_sparsity` (clipped to the schema's range)."""
         if self.length_exponent_slope == 0.0:
             return self.length_exponent
-        return served_length_exponent(self.length_exponent, self.length_exponent_slope, target_sparsity, self.phase)
+        return served_length_exponent(self.length_exponent, self.length_exponent_slope, target_sparsity, None)
 
     def scale_factor(self, target_sparsity: float) -> float:
         """ModelOpt's scale factor a·exp(b·target) (= λ·n at n = n_ref)."""
