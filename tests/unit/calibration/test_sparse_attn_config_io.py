@@ -592,6 +592,10 @@ def test_length_exponent_slope_gives_each_target_its_own_exponent(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert parse_sparse_attention_config(steep).prefill.length_exponent == 4.0
     assert "length exponent 5 at target 0.1 lies outside [0, 4]; serving 4" in caplog.text
+    # a recalibration replaces the slope with the rest of the calibration (policy keys stay)
+    plain = build_sparse_attention_config({"prefill": {"a": 2.0, "b": 9.0}}, target_sparsity=0.5)
+    merged = merge_sparse_attention_config(block, plain)["config_groups"]["group_0"]
+    assert "length_exponent_slope" not in merged and "length_exponent" not in merged
     # the slope belongs to a calibrated phase, and is a number
     bad = _block(length_exponent_slope={"decode": -1.0})
     del bad["config_groups"]["group_0"]["threshold_scale_factor"]["decode"]
