@@ -438,8 +438,9 @@ def plot_fit(
                 lo, hi = fit.length_range or (fit.reference_length, fit.reference_length)
                 for j, n in enumerate(sorted({lo, int(round(fit.reference_length)), hi})):
                     sf = np.array([fit.threshold(x, n) * n for x in grid])
-                    ax.plot(grid, sf, color=f"C{3 + j}", label=f"n={n}" + (f": {label}, γ={fit.length_exponent:.2f}"
-                                                                         if j == 0 else ""))  # fmt: skip
+                    gamma = f"γ={fit.length_exponent:.2f}" + (f"{fit.length_exponent_slope:+.2f}·(s−0.5)"
+                                                              if fit.length_exponent_slope else "")  # fmt: skip
+                    ax.plot(grid, sf, color=f"C{3 + j}", label=f"n={n}" + (f": {label}, {gamma}" if j == 0 else ""))
             ax.axvspan(*fit.sparsity_range, color="C2", alpha=0.08, label="observed range")
             for note in unreachable_notes(fit, (0.3, 0.5, 0.7)):
                 ax.text(0.02, 0.02 + 0.05 * note[0], note[1], transform=ax.transAxes, fontsize=7)
