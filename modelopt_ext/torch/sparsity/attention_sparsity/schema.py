@@ -503,14 +503,11 @@ def served_length_exponent(pivot: float, slope: float, target: float, where: str
     None: a fit evaluated over a grid of targets)."""
     gamma = pivot + slope * (target - LENGTH_EXPONENT_PIVOT)
     lo, hi = LENGTH_EXPONENT_RANGE
-    if not lo <= gamma <= hi and where is None:
-        return min(max(gamma, lo), hi)
-    if not lo <= gamma <= hi:
-        clipped = min(max(gamma, lo), hi)
+    clipped = min(max(gamma, lo), hi)
+    if clipped != gamma and where is not None:
         logger.warning("%s: length exponent %.3g at target %g lies outside [%g, %g]; serving %g (recalibrate for "
                        "this target)", where or "length law", gamma, target, lo, hi, clipped)  # fmt: skip
-        gamma = clipped
-    return gamma
+    return clipped
 
 
 @pydantic_dataclass(frozen=True)
