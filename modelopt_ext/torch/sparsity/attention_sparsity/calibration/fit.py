@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..plugins.sparse_attn_config import PHASES, PhaseCalibration
-from ..schema import LENGTH_EXPONENT_PIVOT, served_length_exponent
+from ..schema import LENGTH_EXPONENT_PIVOT, LENGTH_EXPONENT_RANGE, served_length_exponent
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ MIN_POINTS = 6
 MIN_DISTINCT_TRIALS = 3
 # The length law needs lengths at least this far apart; γ is kept in a range where the law stays monotone and sane.
 MIN_LENGTH_SPAN = 1.5
-MIN_LENGTH_EXPONENT = 0.0
-MAX_LENGTH_EXPONENT = 4.0
+MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT = LENGTH_EXPONENT_RANGE  # what the checkpoint schema accepts
 # Sparsity levels where each sample's curve is inverted (the level-crossing estimator, see the module docstring).
 LEVELS = tuple(round(0.05 * i, 2) for i in range(1, 20))
 
@@ -340,15 +339,15 @@ def fit_phase(
         n_ref = float(np.exp(np.mean(np.log(x_len))))
         log_len = np.log(x_len / n_ref)
         columns = [np.ones_like(x_s), x_s, log_len]
-        # A sparsity-dependent exponent only on level crossings, whose sparsity is exact: with the measured
-        # sparsity as regressor its scatter would leak into the interaction term.
-        vary = on_levels and np.unique(x_s).size >= MIN_DISTINCT_TRIALS and np.unique(x_len).size >= 2
-        if vary:
+        # A sparsity-dependent exponent only on level crossings (which already span >= MIN_DISTINCT_TRIALS levels),
+        # whose sparsity is exact: with the measured sparsity as regressor its scatter would leak into the
+        # interaction term.
+        if on_levels:
             columns.append((x_s - LENGTH_EXPONENT_PIVOT) * log_len)
         coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), y, rcond=None)
         intercept, slope, delta = (float(v) for v in coef[:3])
         gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
-        gamma_slope = -float(coef[3]) if vary else 0.0
+        gamma_slope = -float(coef[3]) if on_levels else 0.0
         gamma_at = np.clip(gamma + gamma_slope * (x_s - LENGTH_EXPONENT_PIVOT), MIN_LENGTH_EXPONENT,
                            MAX_LENGTH_EXPONENT)  # fmt: skip
         pred = intercept + slope * x_s + (1.0 - gamma_at) * log_len
