@@ -592,6 +592,14 @@ def test_length_exponent_slope_gives_each_target_its_own_exponent(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         assert parse_sparse_attention_config(steep).prefill.length_exponent == 4.0
     assert "length exponent 5 at target 0.1 lies outside [0, 4]; serving 4" in caplog.text
+    # ... and written back with the checkpoint's own pivot γ, not one derived from the clipped value
+    clipped = parse_sparse_attention_config(steep)
+    assert clipped.prefill.pivot_length_exponent == 1.0
+    rewritten = build_sparse_attention_config(clipped, producer=steep["producer"])["config_groups"]["group_0"]
+    assert rewritten["length_exponent"]["prefill"] == 1.0 and rewritten["length_exponent_slope"]["prefill"] == -10.0
+    # a new target on the loaded law (mtsa.set_target_sparsity) moves γ along the slope from that pivot
+    assert clipped.prefill.at_target(0.45).length_exponent == pytest.approx(1.5)
+    assert clipped.prefill.at_target(0.45).pivot_length_exponent == 1.0
     # a recalibration replaces the slope with the rest of the calibration (policy keys stay)
     plain = build_sparse_attention_config({"prefill": {"a": 2.0, "b": 9.0}}, target_sparsity=0.5)
     merged = merge_sparse_attention_config(block, plain)["config_groups"]["group_0"]

@@ -84,6 +84,36 @@ def test_export_block_parses_and_writes(calibrated, tmp_path):
     assert (tmp_path / "config.json.bak").exists()
 
 
+def test_set_target_sparsity_moves_the_length_exponent_with_the_target(calibrated):
+    """A new target without recalibrating is served with that target's γ (pivot + slope·(target − 0.5)), not the old
+    target's, and exports the same law: the checkpoint's pivot γ and slope are unchanged."""
+    dense, model = calibrated
+    model = copy.deepcopy(model)
+    before = {p: c for p, c in next(iter(mtsa.sparse_attention_states(model).values())).calibration.items()}
+    assert before["prefill"].length_exponent_slope != 0.0  # lengths 256-768+: the fit has a slope to move along
+    block = mtsa.export_sparse_attention_config(model)["config_groups"]["group_0"]
+    mtsa.set_target_sparsity(model, {"prefill": 0.6})
+    after = next(iter(mtsa.sparse_attention_states(model).values())).calibration
+    old, new = before["prefill"], after["prefill"]
+    assert new.target_sparsity == 0.6 and after["decode"] == before["decode"]
+    assert new.length_exponent == pytest.approx(old.pivot_length_exponent + old.length_exponent_slope * 0.1, abs=1e-12)
+    assert new.pivot_length_exponent == pytest.approx(old.pivot_length_exponent, abs=1e-12)
+    again = mtsa.export_sparse_attention_config(model)["config_groups"]["group_0"]
+    for key in ("length_exponent", "length_exponent_slope", "reference_length"):
+        assert again[key]["prefill"] == pytest.approx(block[key]["prefill"], abs=1e-12), key
+    assert again["target_sparsity"]["prefill"] == 0.6
+    # served: the higher target skips more on a held-out prompt
+    ids = random_ids(640, seed=556)
+    realized = {}
+    for target in (0.2, 0.6):
+        mtsa.set_target_sparsity(model, {"prefill": target})
+        mtsa.reset_sparse_attention_stats(model)
+        with torch.no_grad():
+            model(ids)
+        realized[target] = mtsa.realized_sparsity(model)["prefill"]
+    assert realized[0.2] < realized[0.6], realized
+
+
 def test_export_lists_disabled_layers(calibrated):
     _, model = calibrated
     model = copy.deepcopy(model)

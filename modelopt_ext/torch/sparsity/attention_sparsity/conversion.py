@@ -120,6 +120,7 @@ def _calibration_to_dict(cal: PhaseCalibration | None) -> dict | None:
         "n_points": None if cal.n_points is None else int(cal.n_points),
         "length_exponent": float(cal.length_exponent),
         "length_exponent_slope": float(cal.length_exponent_slope),
+        "stored_pivot_exponent": None if cal.stored_pivot_exponent is None else float(cal.stored_pivot_exponent),
         "reference_length": None if cal.reference_length is None else float(cal.reference_length),
     }
 
@@ -138,6 +139,7 @@ def _calibration_from_dict(raw: dict | None) -> PhaseCalibration | None:
         length_exponent=raw.get("length_exponent", 1.0),
         reference_length=raw.get("reference_length"),
         length_exponent_slope=raw.get("length_exponent_slope", 0.0),
+        stored_pivot_exponent=raw.get("stored_pivot_exponent"),
     )
 
 

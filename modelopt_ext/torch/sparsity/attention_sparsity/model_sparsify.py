@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -122,7 +121,7 @@ def set_target_sparsity(model: nn.Module, target: float | dict[str, float]) -> N
         for phase, value in targets.items():
             cal = state.calibration.get(phase)
             if cal is not None:
-                state.calibration[phase] = dataclasses.replace(cal, target_sparsity=float(value))
+                state.calibration[phase] = cal.at_target(float(value))
 
 
 def reset_sparse_attention_stats(model: nn.Module) -> None:

@@ -51,6 +51,7 @@ How a block resolves (`parse_sparse_attention_config`), matching what NVIDIA Mod
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import math
@@ -519,6 +520,8 @@ class PhaseCalibration:
     n = n_ref. ModelOpt's static λ (a group without calibration): `a = λ`, `b = 0`, `length_exponent = 0`.
     `length_exponent` is the γ served at `target_sparsity`; `length_exponent_slope` is dγ/d(target), kept so the
     checkpoint can store γ at `LENGTH_EXPONENT_PIVOT` (`pivot_length_exponent`) and any target gets its own γ.
+    `stored_pivot_exponent` is that pivot γ as read or fitted: the served γ may be clipped to
+    `LENGTH_EXPONENT_RANGE`, and a pivot derived back from a clipped γ would rewrite the checkpoint's law.
     """
 
     a: NonNegative
@@ -531,11 +534,24 @@ class PhaseCalibration:
     length_exponent: LengthExponent = 1.0
     reference_length: ReferenceLength | None = None
     length_exponent_slope: Finite = 0.0
+    stored_pivot_exponent: LengthExponent | None = None
 
     @property
     def pivot_length_exponent(self) -> float:
         """γ at `LENGTH_EXPONENT_PIVOT`: what the checkpoint stores as `length_exponent`."""
+        if self.stored_pivot_exponent is not None:
+            return self.stored_pivot_exponent
         return self.length_exponent - self.length_exponent_slope * (self.target_sparsity - LENGTH_EXPONENT_PIVOT)
+
+    def at_target(self, target_sparsity: float) -> PhaseCalibration:
+        """The same law served at another target: γ moves with the target along its slope (a plain
+        `dataclasses.replace` of the target would keep the old target's γ)."""
+        extras = {}
+        if self.length_exponent_slope:
+            pivot = self.pivot_length_exponent
+            extras = dict(length_exponent=served_length_exponent(pivot, self.length_exponent_slope, target_sparsity),
+                          stored_pivot_exponent=pivot)  # fmt: skip
+        return dataclasses.replace(self, target_sparsity=float(target_sparsity), **extras)
 
     @property
     def log_scale_factor(self) -> float:
@@ -712,8 +728,9 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             target = DEFAULT_TARGET_SPARSITY
         observed = None if group.observed_sparsity_range is None else group.observed_sparsity_range.get(phase)
         fit = None if group.fit is None else group.fit.get(phase)
-        gamma, slope = group.per_phase("length_exponent", phase), group.per_phase("length_exponent_slope", phase)
-        gamma = served_length_exponent(1.0 if gamma is None else gamma, slope or 0.0, target, f"{gpath} {phase}")
+        pivot, slope = group.per_phase("length_exponent", phase), group.per_phase("length_exponent_slope", phase)
+        pivot = 1.0 if pivot is None else pivot
+        gamma = served_length_exponent(pivot, slope or 0.0, target, f"{gpath} {phase}")
         if observed is not None and not observed[0] <= target <= observed[1]:
             logger.warning(
                 "%s target sparsity %.3f lies outside the sparsity range observed during calibration [%.3f, %.3f]: "
@@ -731,6 +748,7 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             length_exponent=gamma,
             reference_length=group.per_phase("reference_length", phase),
             length_exponent_slope=slope or 0.0,
+            stored_pivot_exponent=pivot if slope else None,
         )
     if all(cal is None for cal in phases.values()):
         logger.warning("%s: no phase is calibrated with a > 0; the checkpoint is served dense", gpath)

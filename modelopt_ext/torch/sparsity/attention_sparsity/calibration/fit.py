@@ -145,7 +145,8 @@ class PhaseFit:
         extras = {}
         if self.reference_length is not None:
             extras = dict(length_exponent=self.exponent(target_sparsity), reference_length=self.reference_length,
-                          length_exponent_slope=self.length_exponent_slope)  # fmt: skip
+                          length_exponent_slope=self.length_exponent_slope,
+                          stored_pivot_exponent=self.length_exponent if self.length_exponent_slope else None)  # fmt: skip
         return PhaseCalibration(
             self.a,
             self.b,
