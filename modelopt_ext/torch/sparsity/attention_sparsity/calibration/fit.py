@@ -144,9 +144,9 @@ class PhaseFit:
     def to_phase_calibration(self, target_sparsity: float) -> PhaseCalibration:
         extras = {}
         if self.reference_length is not None:
+            pivot = self.length_exponent if self.length_exponent_slope else None
             extras = dict(length_exponent=self.exponent(target_sparsity), reference_length=self.reference_length,
-                          length_exponent_slope=self.length_exponent_slope,
-                          stored_pivot_exponent=self.length_exponent if self.length_exponent_slope else None)  # fmt: skip
+                          length_exponent_slope=self.length_exponent_slope, stored_pivot_exponent=pivot)  # fmt: skip
         return PhaseCalibration(
             self.a,
             self.b,
