@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -335,18 +334,12 @@ def sparse_checkpoint(model: Path, fit_json: Path, law: str, target: float, dst:
     """A private copy of `model` (weights linked) whose config.json carries the calibrated law of `fit_json`."""
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
         build_sparse_attention_config,
+        linked_checkpoint_copy,
         write_sparse_attention_config,
     )
 
     fits = json.loads(fit_json.read_text())["fits"][law]
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    for f in model.iterdir():
-        if f.name == "config.json":
-            shutil.copy2(f, dst / f.name)
-        elif not f.name.startswith("."):
-            (dst / f.name).symlink_to(f.resolve())
+    linked_checkpoint_copy(model, dst, overwrite=True)
     block = build_sparse_attention_config(fits, target_sparsity=target)
     write_sparse_attention_config(dst, block, backup=False)
     return dst

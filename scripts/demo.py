@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,23 +28,12 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+
 log = logging.getLogger("demo")
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "vllm_serve"
 LONG_PROMPT = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range(150)) + " Item 42 is in drawer"
-
-
-def private_checkpoint(src: Path, dst: Path) -> Path:
-    """A copy of the checkpoint whose config.json we may rewrite; the large files are linked, not copied."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name == "config.json":
-            shutil.copy2(f, dst / f.name)
-        elif not f.name.startswith("."):
-            (dst / f.name).symlink_to(f)
-    return dst
 
 
 def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
@@ -162,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     t0 = time.monotonic()
     workdir = args.workdir.resolve()
-    ckpt = private_checkpoint(model, workdir / model.name)
+    ckpt = linked_checkpoint_copy(model, workdir / model.name, overwrite=True)
     config_path = calibrate(args.python, ckpt, workdir, args.target)
     t_cal = time.monotonic() - t0
     block = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,17 +34,6 @@ def env(**extra) -> dict:
     out.setdefault("OMP_NUM_THREADS", "2")
     out.update(extra)
     return out
-
-
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    """A private checkpoint: config.json copied (it gets rewritten), the large files linked."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name == "config.json":
-            shutil.copy2(f, dst / f.name)
-        elif not f.name.startswith("."):
-            (dst / f.name).symlink_to(f)
-    return dst
 
 
 def readme_calibrate_command(ckpt: Path) -> list[str]:

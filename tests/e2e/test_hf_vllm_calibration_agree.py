@@ -22,7 +22,9 @@ import sys
 
 import numpy as np
 import pytest
-from e2e_lib import CALIBRATE, copy_checkpoint, env
+from e2e_lib import CALIBRATE, env
+
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +66,7 @@ def both_paths(smollm2_checkpoint, tmp_path_factory):
     )
 
     work = tmp_path_factory.mktemp("hf_vllm_agree")
-    ckpt = copy_checkpoint(smollm2_checkpoint, work / "ckpt")
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, work / "ckpt")
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     prompts = _prompts(tokenizer)
     prompts_file = work / "prompts.jsonl"

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_lib import copy_checkpoint, descendants, env, readme_calibrate_command, still_running, wait_for_log
+from e2e_lib import descendants, env, readme_calibrate_command, still_running, wait_for_log
+
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +33,7 @@ TORCH_CACHE_PREFIX = "torchinductor_"
     ids=["SIGINT-at-startup", "SIGTERM-while-calibrating"],
 )
 def test_signal_shuts_the_engine_down_and_writes_nothing(smollm2_checkpoint, tmp_path, request, sig, moment):
-    ckpt = copy_checkpoint(smollm2_checkpoint, tmp_path / "ckpt")
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path / "ckpt")
     work = tmp_path / "work"
     work.mkdir()
     # the script's own temporary folder: short, as ZMQ socket paths under it must stay below 108 bytes

@@ -14,7 +14,9 @@ import sys
 import textwrap
 
 import pytest
-from e2e_lib import EXAMPLES, copy_checkpoint, env
+from e2e_lib import EXAMPLES, env
+
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +63,7 @@ def sparse_ckpt(smollm2_checkpoint, tmp_path_factory):
         write_sparse_attention_config,
     )
 
-    ckpt = copy_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("invariance") / "ckpt")
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path_factory.mktemp("invariance") / "ckpt")
     # ModelOpt's law with the fit SmolLM2 gets on this machine's calibration (benchmarks/fidelity.py): λ in (0, 1)
     # at every length here, so every row can drop tiles.
     fits = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}

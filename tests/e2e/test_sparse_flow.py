@@ -17,8 +17,10 @@ import time
 
 import numpy as np
 import pytest
-from e2e_lib import CALIBRATE, LONG_PROMPT, SERVE, copy_checkpoint, env, free_port, http_json, readme_calibrate_command
+from e2e_lib import CALIBRATE, LONG_PROMPT, SERVE, env, free_port, http_json, readme_calibrate_command
 from e2e_lib import serving as serving_ctx
+
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +31,7 @@ NUM_LAYERS = 30  # SmolLM2-135M
 def calibrated(smollm2_checkpoint, tmp_path_factory):
     """Calibrate once with the README's command (default multiprocessing) and update the private checkpoint."""
     work = tmp_path_factory.mktemp("flow")
-    ckpt = copy_checkpoint(smollm2_checkpoint, work / "ckpt")
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, work / "ckpt")
     cmd = readme_calibrate_command(ckpt)
     proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
@@ -115,7 +117,7 @@ def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path
 
 
 def test_malformed_config_fails_before_model_loads(smollm2_checkpoint, tmp_path):
-    ckpt = copy_checkpoint(smollm2_checkpoint, tmp_path / "bad")
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path / "bad")
     config = json.loads((ckpt / "config.json").read_text())
     config["sparse_attention_config"] = {"config_groups": {"group_0": {
         "algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": {"a": float("nan"), "b": 8.0}},

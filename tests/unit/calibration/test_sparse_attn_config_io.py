@@ -20,6 +20,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
     SparseAttentionConfigError,
     SparseAttentionSettings,
     build_sparse_attention_config,
+    linked_checkpoint_copy,
     load_sparse_attention_config,
     merge_sparse_attention_config,
     parse_sparse_attention_config,
@@ -612,3 +613,27 @@ def test_length_exponent_slope_gives_each_target_its_own_exponent(tmp_path, capl
         parse_sparse_attention_config(bad)
     with pytest.raises(SparseAttentionConfigError, match=rf"{G0}\.length_exponent_slope\.prefill: must be a finite"):
         parse_sparse_attention_config(_block(length_exponent_slope={"prefill": float("inf")}))
+
+
+def test_linked_checkpoint_copy_links_weights_copies_config_and_never_touches_the_original(tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors").write_bytes(os.urandom(256))
+    (src / ".cache").mkdir()
+    dst = linked_checkpoint_copy(src, tmp_path / "mine")
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+    assert (dst / "model.safetensors").is_symlink() and not (dst / "config.json").is_symlink()
+    block = build_sparse_attention_config({"prefill": {"a": 2.0, "b": 9.0}}, target_sparsity=0.5)
+    write_sparse_attention_config(dst, block, backup=False)
+    assert json.loads((src / "config.json").read_text()) == config  # the original is untouched
+    assert load_sparse_attention_config(dst).prefill.a == 2.0
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        linked_checkpoint_copy(src, dst)
+    assert load_sparse_attention_config(linked_checkpoint_copy(src, dst, overwrite=True)) is None  # a fresh copy
+    with pytest.raises(ValueError, match="the checkpoint itself"):
+        linked_checkpoint_copy(src, src, overwrite=True)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        linked_checkpoint_copy(tmp_path / "mine" / "model.safetensors", tmp_path / "x")
+    assert (src / "model.safetensors").exists()

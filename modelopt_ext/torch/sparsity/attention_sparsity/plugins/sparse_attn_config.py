@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,27 @@ def write_sparse_attention_config(ckpt_dir: str | os.PathLike, block: Mapping, *
     write_text_atomic(config_path, text)
     logger.info("wrote %s into %s", BLOCK_KEY, config_path)
     return config_path
+
+
+def linked_checkpoint_copy(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """A checkpoint of one's own to calibrate into: `config.json` copied (it is what gets rewritten), every other
+    file linked (weights are never duplicated), hidden files left out; the original is never touched.
+
+    `dst` must not exist unless `overwrite`, which replaces it (a folder made by an earlier call). Returns `dst`.
+    """
+    src, dst = Path(src).resolve(), Path(dst)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} has no config.json; pass a Hugging Face checkpoint folder")
+    if dst.resolve() == src:
+        raise ValueError(f"{dst} is the checkpoint itself; pass another folder")
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{dst} exists; remove it or pass overwrite=True")
+        shutil.rmtree(dst) if dst.is_dir() and not dst.is_symlink() else dst.unlink()
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "config.json":
+            shutil.copy2(f, dst / f.name)
+        elif not f.name.startswith("."):
+            (dst / f.name).symlink_to(f.resolve())
+    return dst

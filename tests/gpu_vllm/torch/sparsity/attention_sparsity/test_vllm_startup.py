@@ -41,11 +41,11 @@ FIELD = "sparse_attention_config.config_groups.group_0.threshold_scale_factor.pr
 
 
 def _checkpoint(src: Path, dst: Path, block) -> Path:
-    """A private checkpoint: config.json rewritten with `block`, the other files linked."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (dst / f.name).symlink_to(f)
+    """A private checkpoint: config.json rewritten with `block` as is (no validation: some are meant to be bad),
+    the other files linked."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+
+    linked_checkpoint_copy(src, dst)
     config = json.loads((src / "config.json").read_text())
     config["sparse_attention_config"] = block
     (dst / "config.json").write_text(json.dumps(config))
