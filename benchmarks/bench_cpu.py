@@ -345,33 +345,10 @@ def sparse_checkpoint(model: Path, fit_json: Path, law: str, target: float, dst:
     return dst
 
 
-def plugin_knows_cpu_kernel() -> bool:
-    """Whether the vLLM plugin accepts kernel backend 'cpu' (issue #14 routes its CPU impl to it)."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_install
-
-    return "cpu" in getattr(vllm_install, "KERNEL_BACKENDS", ("cpu",))
-
-
-def allow_cpu_kernel_in_plugin() -> None:
-    """Bridge until the plugin takes backend 'cpu' itself: add it to the accepted names in this process.
-
-    Only the name check changes; the plugin's sparse impl then calls `paged_skip_softmax_attention(...,
-    backend="cpu")` exactly as it calls the other backends. Recorded in the results as `plugin_bridge`.
-    """
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_install
-
-    vllm_install.KERNEL_BACKENDS = (*vllm_install.KERNEL_BACKENDS, "cpu")
-
-
 def engine_worker(args) -> int:
     """One vLLM CPU engine serving requests from stdin (one JSON line each) and printing tagged JSON results."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    bridge = False
-    if args.sparse and os.environ.get("MODELOPT_EXT_SPARSE_ATTN_BACKEND") == "cpu" and not plugin_knows_cpu_kernel():
-        allow_cpu_kernel_in_plugin()
-        bridge = True
 
     llm = LLM(model=str(args.model), dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=False, seed=0)  # fmt: skip
@@ -384,7 +361,7 @@ def engine_worker(args) -> int:
         return {"sparse_layers": st["sparse_layers"], "impls": sorted({v["impl"] for v in st["layers"].values()}),
                 "realized": st["realized"]}  # fmt: skip
 
-    print(RESULT_TAG + json.dumps({"ready": True, "status": status(), "plugin_bridge": bridge}), flush=True)
+    print(RESULT_TAG + json.dumps({"ready": True, "status": status()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         if sparse:
@@ -476,7 +453,7 @@ def run_engine(args) -> list[dict]:
                            dense_s=statistics.median(times["dense"]), sparse_s=statistics.median(times["sparse"]),
                            dense_runs=times["dense"], sparse_runs=times["sparse"], target=args.target,
                            sparsity=realized, greedy_tokens_equal=same, kernel_backend=args.kernel_backend,
-                           plugin_bridge=sparse.ready.get("plugin_bridge"))  # fmt: skip
+                           law=args.law, fit_json=str(args.fit_json))  # fmt: skip
                 records.append(rec)
                 print(f"{source} {len(ids)}+{args.gen_tokens}: dense {rec['dense_s']:.1f}s "
                       f"sparse {rec['sparse_s']:.1f}s"
@@ -606,7 +583,7 @@ def main(argv=None) -> int:
     e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
     e.add_argument("--sparse-ckpt", type=Path, default=None,
                    help="a calibrated checkpoint; default: --model with the law of --fit-json at --target")
-    e.add_argument("--fit-json", type=Path, default=REPO / "docs/img/fidelity.json",
+    e.add_argument("--fit-json", type=Path, default=REPO / "docs/img/fidelity_engine.json",
                    help="benchmarks/fidelity.py results whose fitted law (--law) calibrates --model")
     e.add_argument("--law", default="length", choices=("length", "modelopt"))
     e.add_argument("--target", type=float, default=0.5)
