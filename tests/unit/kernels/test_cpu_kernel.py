@@ -28,7 +28,15 @@ from skip_attention_helpers import (
     quantile_lambda,
     safe_lambdas,
 )
-from test_skip_softmax_semantics import assert_close64, chunk_of, law_kwargs, law_oracle, mixed_case, run
+from test_skip_softmax_semantics import (
+    assert_close64,
+    check_strided_queries_and_output,
+    chunk_of,
+    law_kwargs,
+    law_oracle,
+    mixed_case,
+    run,
+)
 
 from modelopt_ext.torch.kernels.sparsity.attention import SPLIT_TOKENS, api, cpu_kernel
 
@@ -236,23 +244,7 @@ def test_stale_nan_inf_past_kv_len_never_reaches_outputs(layout, page):
 
 
 def test_strided_queries_and_output():
-    """q as a view into packed QKV and `out` a strided view: only rows < total_q and the view's columns change."""
-    case = make_case([65, 1], [100, 20], hq=4, hkv=2, d=32, layout="cpu_t", seed=42)
-    total_q = case.q.shape[0]
-    qkv = torch.randn(total_q, 8, 32)
-    qkv[:, :4] = case.q
-    q = qkv[:, :4]
-    big = torch.full((total_q + 2, 4, 64), math.nan)
-    out = big[..., 16:48]
-    lam = safe_lambdas(case, torch.tensor([0.2, 0.2]))
-    _, counts = api.paged_skip_softmax_attention(
-        q, case.k_cache, case.v_cache, case.block_table, case.cu_seqlens_q, case.seq_lens_k,
-        softmax_scale=case.scale, skip_threshold=lam, return_skip_counts=True, out=out, backend="cpu",
-    )  # fmt: skip
-    ref = oracle(case, log_lams_tensor(lam, 2))
-    assert torch.equal(counts, ref.counts)
-    close(out[:total_q], ref.out, torch.float32)
-    assert torch.isnan(big[total_q:]).all() and torch.isnan(big[:, :, :16]).all() and torch.isnan(big[:, :, 48:]).all()
+    check_strided_queries_and_output("cpu", layout="cpu_t", seed=42)
 
 
 def test_block_table_entry_outside_the_cache_is_an_error():

@@ -282,7 +282,12 @@ def test_cache_layouts(backend, layout):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_queries_and_output(backend):
-    case = make_case([65, 1], [100, 20], hq=4, hkv=2, d=32, seed=11)
+    check_strided_queries_and_output(backend)
+
+
+def check_strided_queries_and_output(backend: str, layout: str = "nhd", seed: int = 11) -> None:
+    """q as a view into packed QKV and `out` a strided view: only rows < total_q and the view's columns change."""
+    case = make_case([65, 1], [100, 20], hq=4, hkv=2, d=32, layout=layout, seed=seed)
     total_q = case.q.shape[0]
     qkv = torch.randn(total_q, 8, 32)  # q is a slice of a packed qkv tensor
     qkv[:, :4] = case.q
