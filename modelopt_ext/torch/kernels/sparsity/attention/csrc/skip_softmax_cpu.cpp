@@ -26,7 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -45,87 +45,105 @@ constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
 constexpr int kSplitTiles = kSplitTokens / kTileK;
 constexpr int kMaxChunks = kTileK / 16;  // score micro-kernel column blocks of 32 keys (16 when the page needs it)
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
-constexpr int kPvRows = 4;        // rows per P·V micro-kernel call
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
+// Vector width: 16 floats where the machine has AVX-512 (32 vector registers), else 8 (AVX2: 16 registers). The
+// micro-kernels are written for kLanes and scale their register blocking with it.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kAccumulators = kLanes == 16 ? 24 : 12;  // score accumulators per micro-kernel step
+constexpr int kPvVectors = kLanes == 16 ? 4 : 2;       // output vectors per row in a P·V micro-kernel step
+constexpr int kPvRows = 4;                                  // rows per P·V micro-kernel call
 
-inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
-inline v8f load8(const float* p) {
-  v8f v;
+inline vf splat(float x) { return vf{} + x; }
+
+inline vi iota(int32_t start) {
+  vi v;
+  for (int i = 0; i < kLanes; ++i) v[i] = start + i;
+  return v;
+}
+
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline v8f load8(const c10::BFloat16* p) {
-  v8h h;
+inline vf loadv(const c10::BFloat16* p) {
+  vh h;
   std::memcpy(&h, p, sizeof(h));
-  v8u w = __builtin_convertvector(h, v8u) << 16;
-  v8f v;
+  vu w = __builtin_convertvector(h, vu) << 16;
+  vf v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 
-inline v8f load8(const c10::Half* p) {
-#if defined(__F16C__)
-  __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  v8f v;
+inline vf loadv(const c10::Half* p) {
+  vf v;
+#if defined(__AVX512F__)
+  __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   std::memcpy(&v, &x, sizeof(v));
-  return v;
+#elif defined(__F16C__)
+  __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &x, sizeof(v));
 #else
-  v8f v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
 #endif
+  return v;
 }
 
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline float hmax(v8f v) {
+inline float hmax(vf v) {
   float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 
-inline float hsum(v8f v) {
+inline float hsum(vf v) {
   float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
 // exp(x) for x <= 0 (Cody-Waite range reduction, degree-6 minimax polynomial; about 1 ulp). x below -87.3, -inf
 // included, gives exactly 0: the 2^n factor's exponent field underflows to zero, so no denormals are produced.
-inline v8f vexp(v8f x) {
-  const v8f lo = splat(-88.0f);
+inline vf vexp(vf x) {
+  const vf lo = splat(-88.0f);
   x = x < lo ? lo : x;
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  v8f n = (x * splat(1.44269504088896341f) + magic) - magic;
-  v8f r = x - n * splat(0.693359375f);
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
+  vf p = splat(1.9875691500e-4f);
   p = p * r + splat(1.3981999507e-3f);
   p = p * r + splat(8.3334519073e-3f);
   p = p * r + splat(4.1665795894e-2f);
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   p = p * (r * r) + r + splat(1.0f);
-  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f pow2;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf pow2;
   std::memcpy(&pow2, &e, sizeof(pow2));
   return p * pow2;
 }
 
-// S[r][0 .. 8 NV - 1] = sum_d q[r][d] * K[d][0 .. 8 NV - 1] for R rows; K element (d, j) at k[d * sd + j].
-// Step d also prefetches pf[kPrefetchPerStep * d ...] (the next tile's K and the previous tile's kept V), so
-// memory requests are spread over the compute instead of issued in bursts.
-template <typename T, int R, int NV>
+// S[r][0 .. KB - 1] = sum_d q[r][d] * K[d][0 .. KB - 1] for R rows (KB keys = KB / kLanes vectors); K element
+// (d, j) at k[d * sd + j]. Step d also prefetches pf[kPrefetchPerStep * d ...] (the next tile's K and the previous
+// tile's kept V), so memory requests are spread over the compute instead of issued in bursts.
+template <typename T, int R, int KB>
 inline void qk_kernel(const float* q, int D, const T* k, int64_t sd, float* s, const char* const* pf, int npf) {
-  v8f acc[R][NV];
+  constexpr int NV = KB / kLanes;
+  vf acc[R][NV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = splat(0.f);
   }
@@ -136,63 +154,73 @@ inline void qk_kernel(const float* q, int D, const T* k, int64_t sd, float* s, c
       }
     }
     const T* kp = k + d * sd;
-    v8f kv[NV];
-    for (int v = 0; v < NV; ++v) kv[v] = load8(kp + 8 * v);
+    vf kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = loadv(kp + kLanes * v);
     for (int r = 0; r < R; ++r) {
-      v8f qb = splat(q[r * D + d]);
+      vf qb = splat(q[r * D + d]);
       for (int v = 0; v < NV; ++v) acc[r][v] += qb * kv[v];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NV; ++v) store8(s + r * kTileK + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) storev(s + r * kTileK + kLanes * v, acc[r][v]);
   }
 }
 
-// Scores of `rows` rows against one column block of 8 NV keys; the prefetch list goes to the first call only.
-template <typename T, int NV>
+// The last `rows` rows (fewer than a full step), as one micro-kernel call of exactly that many rows.
+template <typename T, int KB, int R>
+inline void qk_tail(const float* q, int D, int rows, const T* k, int64_t sd, float* s, const char* const* pf,
+                    int npf) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      qk_kernel<T, R, KB>(q, D, k, sd, s, pf, npf);
+    } else {
+      qk_tail<T, KB, R - 1>(q, D, rows, k, sd, s, pf, npf);
+    }
+  }
+}
+
+// Scores of `rows` rows against one column block of KB keys; the prefetch list goes to the first call only.
+template <typename T, int KB>
 inline void qk_rows(const float* q, int D, int rows, const T* k, int64_t sd, float* s, const char* const* pf,
                     int npf) {
-  constexpr int kRows = NV == 4 ? 3 : 6;  // 12 accumulators either way
+  constexpr int kRows = kAccumulators / (KB / kLanes);
   int r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    qk_kernel<T, kRows, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf);
+    qk_kernel<T, kRows, KB>(q + r * D, D, k, sd, s + r * kTileK, pf, npf);
     npf = 0;
   }
-  switch (rows - r) {
-    case 5: qk_kernel<T, NV == 4 ? 1 : 5, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
-    case 4: qk_kernel<T, NV == 4 ? 1 : 4, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
-    case 3: qk_kernel<T, NV == 4 ? 1 : 3, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
-    case 2: qk_kernel<T, 2, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
-    case 1: qk_kernel<T, 1, NV>(q + r * D, D, k, sd, s + r * kTileK, pf, npf); break;
-    default: break;
+  if (rows > r) qk_tail<T, KB, kRows - 1>(q + r * D, D, rows - r, k, sd, s + r * kTileK, pf, npf);
+}
+
+// O[r][d0 .. d0 + NV·kLanes - 1] += sum_j P[r][j] * V[j][d0 ...] for R rows given by pointers; V row j at vrow[j].
+template <typename T, int R, int NV>
+inline void pv_block(float* const* p, float* const* o, const T* const* vrow, int nj, int d0) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = loadv(o[r] + d0 + kLanes * v);
+  }
+  for (int j = 0; j < nj; ++j) {
+    const T* vp = vrow[j] + d0;
+    vf vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = loadv(vp + kLanes * v);
+    for (int r = 0; r < R; ++r) {
+      vf pb = splat(p[r][j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] += pb * vv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) storev(o[r] + d0 + kLanes * v, acc[r][v]);
   }
 }
 
-// O[r][:] += sum_j P[r][j] * V[j][:] for R rows given by pointers; V row j at vrow[j] (contiguous dims).
+// O[r][:] += sum_j P[r][j] * V[j][:] for R rows (contiguous dims): kPvVectors vectors at a time, then one, then
+// scalars for head sizes that are not a multiple of the vector width.
 template <typename T, int R>
 inline void pv_kernel(float* const* p, float* const* o, const T* const* vrow, int nj, int D) {
   int d0 = 0;
-  for (; d0 + 16 <= D; d0 += 16) {
-    v8f acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = load8(o[r] + d0);
-      acc[r][1] = load8(o[r] + d0 + 8);
-    }
-    for (int j = 0; j < nj; ++j) {
-      const T* vp = vrow[j] + d0;
-      v8f v0 = load8(vp), v1 = load8(vp + 8);
-      for (int r = 0; r < R; ++r) {
-        v8f pb = splat(p[r][j]);
-        acc[r][0] += pb * v0;
-        acc[r][1] += pb * v1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      store8(o[r] + d0, acc[r][0]);
-      store8(o[r] + d0 + 8, acc[r][1]);
-    }
-  }
-  for (; d0 < D; ++d0) {  // head sizes that are not a multiple of 16
+  for (; d0 + kPvVectors * kLanes <= D; d0 += kPvVectors * kLanes) pv_block<T, R, kPvVectors>(p, o, vrow, nj, d0);
+  for (; d0 + kLanes <= D; d0 += kLanes) pv_block<T, R, 1>(p, o, vrow, nj, d0);
+  for (; d0 < D; ++d0) {
     for (int r = 0; r < R; ++r) {
       float acc = o[r][d0];
       for (int j = 0; j < nj; ++j) acc += p[r][j] * static_cast<float>(vrow[j][d0]);
@@ -201,16 +229,22 @@ inline void pv_kernel(float* const* p, float* const* o, const T* const* vrow, in
   }
 }
 
+template <typename T, int R>
+inline void pv_tail(float* const* p, float* const* o, int rows, const T* const* vrow, int nj, int D) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      pv_kernel<T, R>(p, o, vrow, nj, D);
+    } else {
+      pv_tail<T, R - 1>(p, o, rows, vrow, nj, D);
+    }
+  }
+}
+
 template <typename T>
 inline void pv_rows(float* const* p, float* const* o, int rows, const T* const* vrow, int nj, int D) {
   int r = 0;
   for (; r + kPvRows <= rows; r += kPvRows) pv_kernel<T, kPvRows>(p + r, o + r, vrow, nj, D);
-  switch (rows - r) {
-    case 3: pv_kernel<T, 3>(p + r, o + r, vrow, nj, D); break;
-    case 2: pv_kernel<T, 2>(p + r, o + r, vrow, nj, D); break;
-    case 1: pv_kernel<T, 1>(p + r, o + r, vrow, nj, D); break;
-    default: break;
-  }
+  if (rows > r) pv_tail<T, kPvRows - 1>(p + r, o + r, rows - r, vrow, nj, D);
 }
 
 struct Params {
@@ -511,9 +545,9 @@ class Kernel {
   }
 
   static float row_max(const float* s) {
-    v8f m = load8(s);
-    for (int j = 8; j < kTileK; j += 8) {
-      v8f x = load8(s + j);
+    vf m = loadv(s);
+    for (int j = kLanes; j < kTileK; j += kLanes) {
+      vf x = loadv(s + j);
       m = x > m ? x : m;
     }
     return hmax(m);
@@ -534,17 +568,19 @@ class Kernel {
   // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
   // each row's causal limit.
   void scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
-    // Few rows (decode, GQA group): 3 rows x 32 keys per step; many rows (prefill): 6 rows x 16 keys.
-    if (p_.kc == 32 && M - m_lo <= 4) {
-      scores_nv<4>(it, sc, t, m_lo, M, sbase, npf);
+    // Blocks of 32 keys where the page allows: few rows (decode, GQA group) always, many rows (prefill) with 16
+    // lanes (12 rows x 2 vectors per step); with 8 lanes many rows take 16 keys (6 rows x 2 vectors).
+    if (kLanes == 16 && M - m_lo > 4 && p_.k_direct && p_.page % kTileK == 0) {
+      scores_kb<kTileK>(it, sc, t, m_lo, M, sbase, npf);
+    } else if (p_.kc == 32 && (kLanes == 16 || M - m_lo <= 4)) {
+      scores_kb<32>(it, sc, t, m_lo, M, sbase, npf);
     } else {
-      scores_nv<2>(it, sc, t, m_lo, M, sbase, npf);
+      scores_kb<16>(it, sc, t, m_lo, M, sbase, npf);
     }
   }
 
-  template <int NV>
-  void scores_nv(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
-    constexpr int kc = 8 * NV;
+  template <int kc>
+  void scores_kb(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     const int64_t kv_len = p.kvlen[it.b];
@@ -559,7 +595,7 @@ class Kernel {
       const char* const* pf = sc.pf.data() + static_cast<size_t>(c) * per_chunk;
       const int n_pf = std::max(0, std::min(per_chunk, npf - c * per_chunk));
       if (p.k_direct) {
-        qk_rows<T, NV>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kc, pf, n_pf);
+        qk_rows<T, kc>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kc, pf, n_pf);
       } else {
         T* buf = reinterpret_cast<T*>(sc.kbuf.data()) + static_cast<size_t>(c) * kc * D;
         for (int jj = 0; jj < kc; ++jj) {
@@ -571,23 +607,22 @@ class Kernel {
             for (int d = 0; d < D; ++d) buf[d * kc + jj] = T(0.f);
           }
         }
-        qk_rows<T, NV>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
+        qk_rows<T, kc>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
       }
     }
-    const v8f scale = splat(p.scale);
-    const v8f ninf = splat(kNegInf);
+    const vf scale = splat(p.scale);
+    const vf ninf = splat(kNegInf);
     for (int m = m_lo; m < M; ++m) {
       float* sr = sbase + static_cast<size_t>(m) * kTileK;
       // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
       const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
-      for (int j = 0; j < kTileK; j += 8) {
-        v8f x = load8(sr + j) * scale;
-        if (j + 8 > lim) {
-          v8i idx = (v8i){j, j + 1, j + 2, j + 3, j + 4, j + 5, j + 6, j + 7};
-          v8i lv = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + static_cast<int32_t>(std::max<int64_t>(lim, -1));
-          x = idx < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
+      for (int j = 0; j < kTileK; j += kLanes) {
+        vf x = loadv(sr + j) * scale;
+        if (j + kLanes > lim) {
+          const vi lv = vi{} + static_cast<int32_t>(std::max<int64_t>(lim, -1));
+          x = iota(j) < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
         }
-        store8(sr + j, x);
+        storev(sr + j, x);
       }
     }
   }
@@ -604,11 +639,11 @@ class Kernel {
       mx = g;
       sc.mx[m] = g;
     }
-    const v8f mv = splat(mx);
-    v8f sum = splat(0.f);
-    for (int j = 0; j < kTileK; j += 8) {
-      v8f e = vexp(load8(s + j) - mv);
-      store8(s + j, e);
+    const vf mv = splat(mx);
+    vf sum = splat(0.f);
+    for (int j = 0; j < kTileK; j += kLanes) {
+      vf e = vexp(loadv(s + j) - mv);
+      storev(s + j, e);
       sum += e;
     }
     sc.l[m] += hsum(sum);
