@@ -10,8 +10,12 @@
 // The cache is read in place through the block table with any strides. The fast path reads K as stored by vLLM's
 // CPU backend (keys contiguous per dimension: last-dim stride = page) and V rows (last-dim stride 1); other layouts
 // are repacked per tile into a small per-thread buffer. Keys at or past kv_len and past a row's causal limit never
-// reach an output or a count: their scores are replaced (not scaled) by -inf, whole 16-key chunks past kv_len are
-// never read, and P·V only reads V rows that some kept row can see.
+// reach an output or a count: their scores are replaced (not scaled) by -inf, a column block of keys (16, 32 or 64,
+// never crossing a page) that starts at or past kv_len is never read, and P·V only reads V rows that some kept row
+// can see.
+//
+// Vectors are 16 floats wide where the compiler targets AVX-512 and 8 elsewhere (-march=native); the micro-kernels'
+// register blocking follows the width (AVX-512 has twice the registers, so each step keeps more accumulators).
 //
 // Parallelism: items are sorted by estimated cost and taken dynamically from an atomic counter by the threads of
 // torch's intra-op pool (at::parallel_for over thread slots). Sequences with a single row block are also split
