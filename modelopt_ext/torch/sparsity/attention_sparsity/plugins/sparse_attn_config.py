@@ -326,7 +326,10 @@ def linked_checkpoint_copy(src: str | os.PathLike, dst: str | os.PathLike, *, ov
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise FileExistsError(f"{dst} exists; remove it or pass overwrite=True")
-        shutil.rmtree(dst) if dst.is_dir() and not dst.is_symlink() else dst.unlink()
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        else:
+            dst.unlink()
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name == "config.json":
