@@ -572,8 +572,9 @@ class Kernel {
   // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
   // each row's causal limit.
   void scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
-    // Blocks of 32 keys where the page allows: few rows (decode, GQA group) always, many rows (prefill) with 16
-    // lanes (12 rows x 2 vectors per step); with 8 lanes many rows take 16 keys (6 rows x 2 vectors).
+    // Keys per micro-kernel step. Many rows (prefill): with 16 lanes the whole 64-key tile where K is read in place
+    // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
+    // (decode, a GQA group): 32 keys where the page allows (8 lanes: 3 x 4; 16 lanes: 12 x 2), else 16.
     if (kLanes == 16 && M - m_lo > 4 && p_.k_direct && p_.page % kTileK == 0) {
       scores_kb<kTileK>(it, sc, t, m_lo, M, sbase, npf);
     } else if (p_.kc == 32 && (kLanes == 16 || M - m_lo <= 4)) {
