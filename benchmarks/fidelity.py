@@ -245,6 +245,7 @@ def plot(cells, targets, sources, law, path: Path) -> None:
 
 def run_hf(args, targets, lengths, sources, laws, quality_length) -> dict:
     """The Hugging Face path: calibrate and measure in this process (mtsa)."""
+    from fidelity_engine import fits_record
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
@@ -277,10 +278,7 @@ def run_hf(args, targets, lengths, sources, laws, quality_length) -> dict:
     result = dict(
         path="hf", model=str(args.model), laws=laws, targets=targets, lengths=lengths, calib_lengths=calib_lengths,
         calib_samples_per_length=per_length, calib_seconds=calib_s,
-        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent,
-                             length_exponent_slope=f.length_exponent_slope, reference_length=f.reference_length,
-                             r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
-                    for ph, f in fits[law].items()} for law in laws},
+        fits=fits_record(fits, laws, targets),
         cells=cells,
     )  # fmt: skip
     if quality_length:

@@ -107,6 +107,15 @@ def law_block(fits: dict, target: float, classes: list[str]) -> dict:
     return build_sparse_attention_config(fits, target_sparsity=target, attention_classes=classes)
 
 
+def fits_record(fits: dict, laws, targets) -> dict:
+    """The results file's `fits`: per law and phase the fitted law and, per target, the length at or below which it
+    serves dense (both paths write the same record)."""
+    return {law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent,
+                           length_exponent_slope=f.length_exponent_slope, reference_length=f.reference_length,
+                           r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
+                  for ph, f in fits[law].items()} for law in laws}  # fmt: skip
+
+
 def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
     """(c_prefill, c_decode, γ_prefill, γ_decode) serving `fits` at `target` (docs/skip_softmax.md)."""
     return (fits["prefill"].log_scale_factor(target), fits["decode"].log_scale_factor(target),
@@ -308,10 +317,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         path="engine", model=str(ckpt), laws=laws, law_source=law_source, targets=targets, lengths=lengths,
         seeds=seeds, sources=sources, decode_tokens=args.decode_tokens, calib_seconds=calib_seconds,
         serve_seconds=time.time() - t0, calib_args=None if args.config else args.calib_args,
-        fits={law: {ph: dict(a=f.a, b=f.b, length_exponent=f.length_exponent,
-                             length_exponent_slope=f.length_exponent_slope, reference_length=f.reference_length,
-                             r2=f.r2, n_points=f.n_points, dense_below={str(t): f.dense_below(t) for t in targets})
-                    for ph, f in fits[law].items()} for law in laws},
+        fits=fits_record(fits, laws, targets),
         cells=cells, batch_check=batch_check, quality=quality or None,
     )  # fmt: skip
 
