@@ -47,7 +47,7 @@ namespace {
 constexpr int kTileK = 64;        // semantics.TILE_K
 constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
 constexpr int kSplitTiles = kSplitTokens / kTileK;
-constexpr int kMaxChunks = kTileK / 16;  // score micro-kernel column blocks of 32 keys (16 when the page needs it)
+constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -61,7 +61,7 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kAccumulators = kLanes == 16 ? 24 : 12;  // score accumulators per micro-kernel step
 constexpr int kPvVectors = kLanes == 16 ? 4 : 2;       // output vectors per row in a P·V micro-kernel step
-constexpr int kPvRows = 4;                                  // rows per P·V micro-kernel call
+constexpr int kPvRows = 4;                            // rows per P·V micro-kernel call
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
