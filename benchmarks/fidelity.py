@@ -181,21 +181,39 @@ def quality(model, tokenizer, states, fits, targets, sources, length, decode_tok
 
 
 def summarize(cells, targets, law):
-    """Mean and max |realized - target| per phase over reachable cells, and how many are within 0.05."""
+    """Mean and max |realized - target| per phase over reachable cells, and how many are within 0.05.
+
+    Where cells carry their documents (engine path), also per single document (`per_document`: the same errors as
+    if each document were a cell of its own) and the documents' spread around their cell's pooled value
+    (`document_spread`: root mean square and max |document − cell|), i.e. how much of a one-document cell's error
+    is the text rather than the law."""
     out = {}
     for ph in PHASES:
-        errs = []
+        errs, doc_errs, spread = [], [], []
         for c in cells:
             for t in targets:
                 r = c["realized"][law][t][ph]
-                if r is not None and not c["unreachable"][law][t][ph]:
-                    errs.append(abs(r - t))
+                if r is None or c["unreachable"][law][t][ph]:
+                    continue
+                errs.append(abs(r - t))
+                docs = [d["realized"][law][t][ph] for d in c.get("documents", ())]
+                if len(docs) > 1:
+                    doc_errs += [abs(x - t) for x in docs if x is not None]
+                    spread += [x - r for x in docs if x is not None]
         out[ph] = dict(
             mean_abs_error=float(sum(errs) / len(errs)) if errs else None,
             max_abs_error=float(max(errs)) if errs else None,
             within_0_05=sum(e <= 0.05 for e in errs),
             cells=len(errs),
         )
+        if doc_errs:
+            out[ph]["per_document"] = dict(
+                mean_abs_error=float(sum(doc_errs) / len(doc_errs)), max_abs_error=float(max(doc_errs)),
+                within_0_05=sum(e <= 0.05 for e in doc_errs), within_0_10=sum(e <= 0.10 for e in doc_errs),
+                documents=len(doc_errs),
+            )  # fmt: skip
+            out[ph]["document_spread"] = dict(rms=float(math.sqrt(sum(d * d for d in spread) / len(spread))),
+                                              max=float(max(abs(d) for d in spread)))  # fmt: skip
     return out
 
 
@@ -225,18 +243,27 @@ def plot(cells, targets, sources, law, path: Path) -> None:
         ax = fig.add_subplot(1, 2, i + 1)
         for j, t in enumerate(targets):
             ax.axhline(t, color=f"C{j}", lw=0.8, ls=":")
-            for s, marker in zip(sources, "os^", strict=False):
+            for k, (s, marker) in enumerate(zip(sources, "os^", strict=False)):
                 pts = sorted((c["length"], c["realized"][law][t][ph]) for c in cells if c["source"] == s
                              and c["realized"][law][t][ph] is not None
                              and not c["unreachable"][law][t][ph])  # fmt: skip
                 if pts:
                     xs, ys = zip(*pts, strict=True)
                     ax.plot(xs, ys, marker=marker, color=f"C{j}", label=f"target {t:g}, {s}")
+                docs = [(c["length"], d["realized"][law][t][ph]) for c in cells if c["source"] == s
+                        and len(c.get("documents", ())) > 1 and not c["unreachable"][law][t][ph]
+                        for d in c["documents"] if d["realized"][law][t][ph] is not None]  # fmt: skip
+                if docs:  # each document of a pooled cell, faint: how far one document strays from its cell
+                    xs, ys = zip(*docs, strict=True)
+                    shift = 1.0 + 0.04 * (k - (len(sources) - 1) / 2)  # sources side by side
+                    ax.scatter([x * shift for x in xs], ys, marker=marker, s=10, color=f"C{j}", alpha=0.3, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("realized sparsity (dropped / visited row-tiles)")
-        ax.set_title(f"{ph}: realized vs target (dotted), held-out text, {law} law", fontsize=9)
+        pooled = max((len(c.get("documents", ())) for c in cells), default=0)
+        docs_note = f"\n{pooled} documents per cell (faint: each document alone)" if pooled > 1 else ""
+        ax.set_title(f"{ph}: realized vs target (dotted), held-out text, {law} law{docs_note}", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,6 +329,12 @@ def report(result: dict, targets, sources, lengths, quality_length) -> None:
             if s["cells"]:
                 print(f"mean |realized - target| {s['mean_abs_error']:.3f}, max {s['max_abs_error']:.3f}, "
                       f"{s['within_0_05']}/{s['cells']} cells within 0.05")
+            if "per_document" in s:
+                d, spread = s["per_document"], s["document_spread"]
+                print(f"single documents: mean |realized - target| {d['mean_abs_error']:.3f}, max "
+                      f"{d['max_abs_error']:.3f}, {d['within_0_05']}/{d['documents']} within 0.05, "
+                      f"{d['within_0_10']}/{d['documents']} within 0.10; spread around their cell: rms "
+                      f"{spread['rms']:.3f}, max {spread['max']:.3f}")
         if result.get("quality"):
             q = result["quality"][law]
             print(f"\nquality at {quality_length} tokens (dense ppl {q['dense_ppl']:.4f}):")

@@ -169,6 +169,12 @@ def count_trials(llm, prompts, trials, decode_tokens: int) -> list[np.ndarray]:
     return alone
 
 
+def phase_ratios(totals: np.ndarray) -> dict:
+    """{phase: skipped / visited} of [2 (prefill, decode), 2 (visited, skipped)] totals (None where nothing was
+    visited)."""
+    return {ph: (float(totals[p, 1] / totals[p, 0]) if totals[p, 0] else None) for p, ph in enumerate(PHASES)}
+
+
 def _counter_totals(realized: dict) -> np.ndarray:
     """[2 (prefill, decode), 2 (visited, skipped)] from `sparse_attn_status()["realized"]`."""
     return np.array([[realized[ph]["visited"], realized[ph]["skipped"]] for ph in PHASES], dtype=np.int64)
@@ -299,17 +305,18 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
             realized, unreachable = {law: {} for law in laws}, {law: {} for law in laws}
             dense_activations = {law: {} for law in laws}
             for law, t in keys:
-                tot = sum(served[(law, t)][i] for i in idx)
-                realized[law][t] = {ph: (float(tot[p, 1] / tot[p, 0]) if tot[p, 0] else None)
-                                    for p, ph in enumerate(PHASES)}  # fmt: skip
+                realized[law][t] = phase_ratios(sum(served[(law, t)][i] for i in idx))
                 unreachable[law][t] = {"prefill": fits[law]["prefill"].dense_below(t) >= n_tokens,
                                        "decode": fits[law]["decode"].dense_below(t) >= n_tokens + 1}  # fmt: skip
                 if counted is not None:
-                    c = sum(counted[(law, t)][i] for i in idx)
-                    dense_activations[law][t] = {ph: (float(c[p, 1] / c[p, 0]) if c[p, 0] else None)
-                                                 for p, ph in enumerate(PHASES)}  # fmt: skip
+                    dense_activations[law][t] = phase_ratios(sum(counted[(law, t)][i] for i in idx))
+            # Each held-out document on its own too: a cell pools its documents' counts, and how far single
+            # documents scatter around that pool is what a one-document cell can be off by from text alone.
+            documents = [dict(seed=items[i][2], tokens=len(items[i][3]),
+                              realized={law: {t: phase_ratios(served[(law, t)][i]) for t in targets} for law in laws})
+                         for i in idx]  # fmt: skip
             cell = dict(source=source, length=length, tokens=n_tokens, prompts=len(idx), realized=realized,
-                        unreachable=unreachable)  # fmt: skip
+                        unreachable=unreachable, documents=documents)  # fmt: skip
             if counted is not None:
                 cell["counted_with_dense_activations"] = dense_activations
             cells.append(cell)

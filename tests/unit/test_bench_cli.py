@@ -160,3 +160,34 @@ def test_fidelity_batch_check_separates_phases_and_names_prompts_whose_tokens_di
     other = engine.batch_comparison(alone, np.array([[1000, 400], [50, 21]]), [[1, 2], [3, 4]], [[1, 2], [3, 5]])
     assert other["prefill_equal"] and not other["decode_equal"] and not other["equal"]
     assert other["tokens_differ"] == [1] and other["batch"] == [[1000, 400], [50, 21]]
+
+
+def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_pooled_cell(tmp_path):
+    """A cell pools its documents' counts; the summary also scores each document as a cell of its own."""
+    import numpy as np
+
+    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    fidelity = _load(REPO / "benchmarks" / "fidelity.py", "fidelity_under_test")
+    # two documents of one cell at target 0.3: prefill 0.25 and 0.45 of equal weight (pooled 0.35), decode 0.2 / 0.3
+    docs = [np.array([[1000, 250], [100, 20]]), np.array([[1000, 450], [300, 90]])]
+    pooled = engine.phase_ratios(sum(docs))
+    assert pooled == {"prefill": 0.35, "decode": 110 / 400}
+    assert engine.phase_ratios(np.array([[0, 0], [10, 1]]))["prefill"] is None
+    documents = [dict(seed=i, realized={"length": {0.3: engine.phase_ratios(d)}}) for i, d in enumerate(docs)]
+    reachable = {"length": {0.3: {"prefill": False, "decode": False}}}
+    cell = dict(realized={"length": {0.3: pooled}}, unreachable=reachable, documents=documents)
+    summary = fidelity.summarize([cell], [0.3], "length")
+    pre, dec = summary["prefill"], summary["decode"]
+    assert pre["max_abs_error"] == pytest.approx(0.05) and pre["cells"] == 1
+    assert pre["per_document"]["max_abs_error"] == pytest.approx(0.15) and pre["per_document"]["documents"] == 2
+    assert pre["per_document"]["within_0_05"] == 1 and pre["per_document"]["within_0_10"] == 1
+    assert pre["document_spread"]["rms"] == pytest.approx(0.10) and pre["document_spread"]["max"] == pytest.approx(0.10)
+    assert dec["per_document"]["max_abs_error"] == pytest.approx(0.10)
+    # a one-document cell has no spread to report
+    single = dict(cell, documents=cell["documents"][:1])
+    assert "per_document" not in fidelity.summarize([single], [0.3], "length")["prefill"]
+    # the plot draws the pooled cell and, faintly, each of its documents
+    cells = [dict(cell, source="prose", length=1024), dict(single, source="code", length=1024)]
+    fidelity.plot(cells, [0.3], ["prose", "code"], "length", tmp_path / "fidelity_length.png")
+    assert (tmp_path / "fidelity_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
