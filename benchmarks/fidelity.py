@@ -182,38 +182,39 @@ def quality(model, tokenizer, states, fits, targets, sources, length, decode_tok
     return dict(dense_ppl=dense_ppl, targets=rows)
 
 
+def _error_stats(errs: list[float]) -> dict:
+    return dict(mean_abs_error=float(sum(errs) / len(errs)) if errs else None,
+                max_abs_error=float(max(errs)) if errs else None,
+                within_0_05=sum(e <= 0.05 for e in errs), within_0_10=sum(e <= 0.10 for e in errs))  # fmt: skip
+
+
 def summarize(cells, targets, law):
     """Mean and max |realized - target| per phase over reachable cells, and how many are within 0.05.
 
-    Where cells carry their documents (engine path), also per single document (`per_document`: the same errors as
-    if each document were a cell of its own) and the documents' spread around their cell's pooled value
-    (`document_spread`: root mean square and max |document − cell|), i.e. how much of a one-document cell's error
-    is the text rather than the law."""
+    Where cells pool several documents (engine path, `--seeds`), also: `per_document`, the same errors as if each
+    document were a cell of its own; `per_order`, the summary of each document order alone (what a one-document run
+    with that seed reports); and `document_spread`, the root mean square and max of document − cell, i.e. how much
+    of a one-document cell's error is the text rather than the law."""
     out = {}
     for ph in PHASES:
-        errs, doc_errs, spread = [], [], []
+        errs, doc_errs, spread, by_order = [], [], [], {}
         for c in cells:
             for t in targets:
                 r = c["realized"][law][t][ph]
                 if r is None or c["unreachable"][law][t][ph]:
                     continue
                 errs.append(abs(r - t))
-                docs = [d["realized"][law][t][ph] for d in c.get("documents", ())]
+                docs = [d for d in c.get("documents", ()) if d["realized"][law][t][ph] is not None]
                 if len(docs) > 1:
-                    doc_errs += [abs(x - t) for x in docs if x is not None]
-                    spread += [x - r for x in docs if x is not None]
-        out[ph] = dict(
-            mean_abs_error=float(sum(errs) / len(errs)) if errs else None,
-            max_abs_error=float(max(errs)) if errs else None,
-            within_0_05=sum(e <= 0.05 for e in errs),
-            cells=len(errs),
-        )
+                    for d in docs:
+                        x = d["realized"][law][t][ph]
+                        doc_errs.append(abs(x - t))
+                        spread.append(x - r)
+                        by_order.setdefault(d["seed"], []).append(abs(x - t))
+        out[ph] = dict(_error_stats(errs), cells=len(errs))
         if doc_errs:
-            out[ph]["per_document"] = dict(
-                mean_abs_error=float(sum(doc_errs) / len(doc_errs)), max_abs_error=float(max(doc_errs)),
-                within_0_05=sum(e <= 0.05 for e in doc_errs), within_0_10=sum(e <= 0.10 for e in doc_errs),
-                documents=len(doc_errs),
-            )  # fmt: skip
+            out[ph]["per_document"] = dict(_error_stats(doc_errs), documents=len(doc_errs))
+            out[ph]["per_order"] = {seed: dict(_error_stats(e), cells=len(e)) for seed, e in sorted(by_order.items())}
             out[ph]["document_spread"] = dict(rms=float(math.sqrt(sum(d * d for d in spread) / len(spread))),
                                               max=float(max(abs(d) for d in spread)))  # fmt: skip
     return out
@@ -337,6 +338,9 @@ def report(result: dict, targets, sources, lengths, quality_length) -> None:
                       f"{d['max_abs_error']:.3f}, {d['within_0_05']}/{d['documents']} within 0.05, "
                       f"{d['within_0_10']}/{d['documents']} within 0.10; spread around their cell: rms "
                       f"{spread['rms']:.3f}, max {spread['max']:.3f}")
+                print("each document order alone (mean / max): " + ", ".join(
+                    f"seed {seed} {o['mean_abs_error']:.3f} / {o['max_abs_error']:.3f}"
+                    for seed, o in s["per_order"].items()))  # fmt: skip
         if result.get("quality"):
             q = result["quality"][law]
             print(f"\nquality at {quality_length} tokens (dense ppl {q['dense_ppl']:.4f}):")

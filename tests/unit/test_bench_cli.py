@@ -184,6 +184,8 @@ def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_p
     assert pre["per_document"]["within_0_05"] == 1 and pre["per_document"]["within_0_10"] == 1
     assert pre["document_spread"]["rms"] == pytest.approx(0.10) and pre["document_spread"]["max"] == pytest.approx(0.10)
     assert dec["per_document"]["max_abs_error"] == pytest.approx(0.10)
+    assert pre["per_order"][0]["max_abs_error"] == pytest.approx(0.05) and pre["per_order"][0]["cells"] == 1
+    assert pre["per_order"][1]["max_abs_error"] == pytest.approx(0.15) and pre["per_order"][1]["within_0_10"] == 0
     # a one-document cell has no spread to report
     single = dict(cell, documents=cell["documents"][:1])
     assert "per_document" not in fidelity.summarize([single], [0.3], "length")["prefill"]
