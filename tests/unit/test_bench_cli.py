@@ -167,7 +167,6 @@ def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_p
     import numpy as np
 
     engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
-    sys.path.insert(0, str(REPO / "benchmarks"))
     fidelity = _load(REPO / "benchmarks" / "fidelity.py", "fidelity_under_test")
     # two documents of one cell at target 0.3: prefill 0.25 and 0.45 of equal weight (pooled 0.35), decode 0.2 / 0.3
     docs = [np.array([[1000, 250], [100, 20]]), np.array([[1000, 450], [300, 90]])]
