@@ -30,7 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -107,6 +107,36 @@ inline vf loadv(const c10::Half* p) {
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Horizontal max and sum as shuffle trees: a lane-by-lane loop compiles to one extract per lane, which cost about
+// a tenth of a prefill tile's time (two reductions per row and tile). Inputs are never NaN here (scores past a row's
+// limit are -inf), so the tree's order of comparisons gives the same max; the sum differs only by rounding order.
+#if defined(__AVX512F__)
+inline float hmax(vf v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  return _mm512_reduce_max_ps(x);
+}
+
+inline float hsum(vf v) {
+  __m512 x;
+  std::memcpy(&x, &v, sizeof(x));
+  return _mm512_reduce_add_ps(x);
+}
+#elif defined(__AVX__)
+inline __m128 fold_halves(vf v, bool is_max) {
+  __m256 x;
+  std::memcpy(&x, &v, sizeof(x));
+  const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+  __m128 r = is_max ? _mm_max_ps(lo, hi) : _mm_add_ps(lo, hi);
+  const __m128 swapped = _mm_movehl_ps(r, r);
+  r = is_max ? _mm_max_ps(r, swapped) : _mm_add_ps(r, swapped);
+  const __m128 odd = _mm_movehdup_ps(r);
+  return is_max ? _mm_max_ss(r, odd) : _mm_add_ss(r, odd);
+}
+
+inline float hmax(vf v) { return _mm_cvtss_f32(fold_halves(v, true)); }
+inline float hsum(vf v) { return _mm_cvtss_f32(fold_halves(v, false)); }
+#else
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
@@ -118,6 +148,7 @@ inline float hsum(vf v) {
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
+#endif
 
 // exp(x) for x <= 0 (Cody-Waite range reduction, degree-6 minimax polynomial; about 1 ulp). x below -87.3, -inf
 // included, gives exactly 0: the 2^n factor's exponent field underflows to zero, so no denormals are produced.
@@ -285,7 +316,9 @@ struct Item {
 // Per-thread buffers, reused across items and calls. Tiles are processed in two stages (scores and decisions of
 // tile t, then exp and P·V of tile t - 1), so the per-tile buffers have two slots.
 struct Scratch {
-  std::vector<float> q, s, o, mx, l, g0, srun, lnl, kept_g;
+  // l: each row's softmax denominator as kLanes partial sums (summed once per item, not once per tile);
+  // g: each row's max over the current tile (scores()).
+  std::vector<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g;
   std::vector<int32_t> pos, kept_m;
   std::vector<unsigned char> kbuf, vbuf;
   std::vector<const void*> vrow;
@@ -312,10 +345,11 @@ class Kernel {
     sc.q.resize(static_cast<size_t>(M) * D);
     sc.s.resize(static_cast<size_t>(2) * M * kTileK);
     sc.kept_g.resize(static_cast<size_t>(2) * M);
+    sc.g.resize(M);
     sc.kept_m.resize(static_cast<size_t>(2) * M);
     sc.o.assign(static_cast<size_t>(M) * D, 0.f);
     sc.mx.assign(M, kNegInf);
-    sc.l.assign(M, 0.f);
+    sc.l.assign(static_cast<size_t>(M) * kLanes, 0.f);
     sc.g0.assign(M, kNegInf);
     sc.srun.assign(M, kNegInf);
     sc.pos.resize(M);
@@ -354,7 +388,7 @@ class Kernel {
       // Anchor: this split's reference max is seeded with each row's tile-0 max (no exp, no P·V for it here).
       const int m_lo = first_active(sc, M, 0);
       scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
-      for (int m = m_lo; m < M; ++m) sc.g0[m] = row_max(sc.s.data() + static_cast<size_t>(m) * kTileK);
+      std::copy(sc.g.begin() + m_lo, sc.g.end(), sc.g0.begin() + m_lo);
     }
     // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V),
     // and A's score loop prefetches the K of tile t + 1 and the V rows tile t - 1 kept, so memory streams while
@@ -378,7 +412,7 @@ class Kernel {
       for (int m = 0; m < M; ++m) {
         float* w = ws + it.ws + static_cast<int64_t>(m) * (D + 2);
         w[0] = sc.mx[m];
-        w[1] = sc.l[m];
+        w[1] = hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
         std::memcpy(w + 2, sc.o.data() + static_cast<size_t>(m) * D, sizeof(float) * D);
       }
       return;
@@ -389,7 +423,7 @@ class Kernel {
       for (int hh = 0; hh < group; ++hh) {
         const int m = r * group + hh;
         const int64_t h = static_cast<int64_t>(kvh) * group + hh;
-        const float inv = 1.f / sc.l[m];
+        const float inv = 1.f / hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
         const float* src = sc.o.data() + static_cast<size_t>(m) * D;
         T* dst = op + row * p.so0 + h * p.so1;
         for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(src[d] * inv);
@@ -447,7 +481,7 @@ class Kernel {
     float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
     if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
     for (int m = m_lo; m < M; ++m) {
-      const float g = row_max(sbase + static_cast<size_t>(m) * kTileK);
+      const float g = sc.g[m];
       bool keep = true;
       if (t == 0) {
         sc.g0[m] = g;
@@ -548,15 +582,6 @@ class Kernel {
     return m;
   }
 
-  static float row_max(const float* s) {
-    vf m = loadv(s);
-    for (int j = kLanes; j < kTileK; j += kLanes) {
-      vf x = loadv(s + j);
-      m = x > m ? x : m;
-    }
-    return hmax(m);
-  }
-
   const T* key_base(int b, int kvh, int64_t key) const {
     const Params& p = p_;
     const int64_t blk = p.bt[b * p.P + key / p.page];
@@ -570,7 +595,7 @@ class Kernel {
   }
 
   // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
-  // each row's causal limit.
+  // each row's causal limit. Each row's max over the tile goes to sc.g[m] in the same pass.
   void scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
     // Keys per micro-kernel step. Many rows (prefill): with 16 lanes the whole 64-key tile where K is read in place
     // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
@@ -621,6 +646,7 @@ class Kernel {
       float* sr = sbase + static_cast<size_t>(m) * kTileK;
       // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
       const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
+      vf mx = ninf;
       for (int j = 0; j < kTileK; j += kLanes) {
         vf x = loadv(sr + j) * scale;
         if (j + kLanes > lim) {
@@ -628,7 +654,9 @@ class Kernel {
           x = iota(j) < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
         }
         storev(sr + j, x);
+        mx = x > mx ? x : mx;
       }
+      sc.g[m] = hmax(mx);
     }
   }
 
@@ -637,7 +665,8 @@ class Kernel {
     if (g > mx) {
       if (mx != kNegInf) {
         const float a = std::exp(mx - g);
-        sc.l[m] *= a;
+        float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
+        storev(lm, loadv(lm) * splat(a));
         float* o = sc.o.data() + static_cast<size_t>(m) * D;
         for (int d = 0; d < D; ++d) o[d] *= a;
       }
@@ -651,23 +680,35 @@ class Kernel {
       storev(s + j, e);
       sum += e;
     }
-    sc.l[m] += hsum(sum);
+    float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
+    storev(lm, loadv(lm) + sum);
   }
 
-  // Pointers to V rows kstart .. kstart + nj - 1 (all < kv_len), in place or repacked.
+  // Pointers to V rows kstart .. kstart + nj - 1 (all < kv_len), in place or repacked. The page and the slot in it
+  // advance with the key instead of being divided out per row (a 64-bit division per V row and tile cost several
+  // percent of a prefill).
   void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const T** vrow, int slot) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
-    if (p.v_direct) {
-      for (int j = 0; j < nj; ++j) vrow[j] = value_base(it.b, it.kvh, kstart + j);
-      return;
-    }
+    const int32_t* pages = p.bt + it.b * p.P;
+    int64_t page = kstart / p.page, in_page = kstart % p.page;
+    const T* row = value_base(it.b, it.kvh, kstart);
     T* buf = reinterpret_cast<T*>(sc.vbuf.data()) + static_cast<size_t>(slot) * kTileK * D;
     for (int j = 0; j < nj; ++j) {
-      const T* src = value_base(it.b, it.kvh, kstart + j);
-      T* dst = buf + static_cast<size_t>(j) * D;
-      for (int d = 0; d < D; ++d) dst[d] = src[d * p.sv3];
-      vrow[j] = dst;
+      if (p.v_direct) {
+        vrow[j] = row;
+      } else {
+        T* dst = buf + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; ++d) dst[d] = row[d * p.sv3];
+        vrow[j] = dst;
+      }
+      if (++in_page == p.page) {
+        in_page = 0;
+        ++page;
+        if (j + 1 < nj) row = static_cast<const T*>(p.v) + pages[page] * p.sv0 + it.kvh * p.sv2;
+      } else {
+        row += p.sv1;
+      }
     }
   }
 };
