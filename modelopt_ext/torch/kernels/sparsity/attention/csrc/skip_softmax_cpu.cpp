@@ -107,9 +107,9 @@ inline vf loadv(const c10::Half* p) {
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Horizontal max and sum as shuffle trees: a lane-by-lane loop compiles to one extract per lane, which cost about
-// a tenth of a prefill tile's time (two reductions per row and tile). Inputs are never NaN here (scores past a row's
-// limit are -inf), so the tree's order of comparisons gives the same max; the sum differs only by rounding order.
+// Horizontal max and sum as shuffle trees: a loop over the lanes compiles to a serial chain of scalar ops with an
+// extract per lane, which cost about a tenth of a prefill's time (two reductions per row and tile). Inputs are never
+// NaN here (scores past a row's limit are -inf), so the tree gives the same max; the sum differs only in rounding.
 #if defined(__AVX512F__)
 inline float hmax(vf v) {
   __m512 x;
