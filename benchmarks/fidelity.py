@@ -22,8 +22,8 @@ measures the held-out prompts the same way (chunked prefill as vLLM chunks it, a
 
 Held-out text: `calibration.natural_text`, split `heldout` (documents calibration never saw); `--seeds` gives several
 documents orders per (source, length), their counts summed per cell; the engine path also scores each document alone
-(summary `per_document`, `document_spread`: how far one document strays from its cell, i.e. how much of a
-one-document cell's error is the text rather than the law). A cell where the law cannot reach the target (λ >= 1 at
+(summary `per_document`, `per_order`, `document_spread`: how far one document strays from its cell, i.e. how much of
+a one-document cell's error is the text rather than the law). A cell where the law cannot reach the target (λ >= 1 at
 that length: the row runs dense) is reported as "dense (unreachable)" and does not count towards the error summary.
 Prints markdown tables, writes JSON and a PNG per law (realized vs length, one panel per phase).
 """

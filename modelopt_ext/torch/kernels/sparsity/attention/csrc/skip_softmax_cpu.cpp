@@ -412,7 +412,7 @@ class Kernel {
       for (int m = 0; m < M; ++m) {
         float* w = ws + it.ws + static_cast<int64_t>(m) * (D + 2);
         w[0] = sc.mx[m];
-        w[1] = hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
+        w[1] = denominator(sc, m);
         std::memcpy(w + 2, sc.o.data() + static_cast<size_t>(m) * D, sizeof(float) * D);
       }
       return;
@@ -423,7 +423,7 @@ class Kernel {
       for (int hh = 0; hh < group; ++hh) {
         const int m = r * group + hh;
         const int64_t h = static_cast<int64_t>(kvh) * group + hh;
-        const float inv = 1.f / hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
+        const float inv = 1.f / denominator(sc, m);
         const float* src = sc.o.data() + static_cast<size_t>(m) * D;
         T* dst = op + row * p.so0 + h * p.so1;
         for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(src[d] * inv);
@@ -660,12 +660,17 @@ class Kernel {
     }
   }
 
+  // A row's softmax denominator: the sum of its kLanes partial sums.
+  static float denominator(const Scratch& sc, int m) {
+    return hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
+  }
+
   void online_softmax_row(Scratch& sc, int m, float* s, float g, int D) const {
     float mx = sc.mx[m];
+    float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
     if (g > mx) {
       if (mx != kNegInf) {
         const float a = std::exp(mx - g);
-        float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
         storev(lm, loadv(lm) * splat(a));
         float* o = sc.o.data() + static_cast<size_t>(m) * D;
         for (int d = 0; d < D; ++d) o[d] *= a;
@@ -680,7 +685,6 @@ class Kernel {
       storev(s + j, e);
       sum += e;
     }
-    float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
     storev(lm, loadv(lm) + sum);
   }
 
