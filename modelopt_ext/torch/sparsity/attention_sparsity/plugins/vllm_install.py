@@ -40,7 +40,7 @@ from .vllm_compat import (
 )
 from .vllm_context import MODES, SparseAttentionContext
 from .vllm_impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
-from .vllm_kv_cache import CPU_KNOWN_ISAS, native_flash_cache_write_op
+from .vllm_kv_cache import cpu_isa_problem, native_flash_cache_write_op
 from .vllm_prompt_lens import prompt_lens_source
 
 logger = logging.getLogger(__name__)
@@ -216,9 +216,9 @@ def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
     if layout is not None:
         reasons.append(layout)
     if kind == "cpu_attn":
-        isa = getattr(layer, "isa", None) or _predicted_cpu_isa(config, head_size)
-        if isa is not None and isa not in CPU_KNOWN_ISAS:
-            reasons.append(f"CPU attention ISA {isa!r} has an unverified cache layout (supported: {CPU_KNOWN_ISAS})")
+        problem = cpu_isa_problem(getattr(layer, "isa", None) or _predicted_cpu_isa(config, head_size))
+        if problem is not None:
+            reasons.append(problem)
     return reasons
 
 
@@ -235,6 +235,36 @@ def _kernel_problems(head_size, kernel_backend: str, config) -> list[str]:
     if problem is None:
         return []
     return [f"{problem} (or serve with MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch; --block-size 16 covers the page)"]
+
+
+def _name_list(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+
+
+def refusal_message(head: str, problems) -> str:
+    """`head` and one line per reason ("30 layers (a, b, ..., z): reason"), from (layer name, reasons) pairs."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reasons in problems:
+        for reason in reasons:
+            by_reason.setdefault(reason, []).append(name)
+    lines = [f"  {len(names)} layer{'s' if len(names) > 1 else ''} ({_name_list(names)}): {reason}"
+             for reason, names in by_reason.items()]
+    return "\n".join([head, *lines])
+
+
+def predicted_startup_problems(vllm_config) -> list[str]:
+    """What stops every attention layer of this engine from running sparse, predicted from the engine config
+    alone (no model, no weights): the CPU attention ISA from dtype, page size and head size."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    model_config = getattr(vllm_config, "model_config", None)
+    if device != "cpu" or model_config is None:
+        return []
+    try:
+        head_size = int(model_config.get_head_size())
+    except Exception:  # noqa: BLE001 - models without a uniform head size: install checks each layer
+        return []
+    problem = cpu_isa_problem(_predicted_cpu_isa(vllm_config, head_size))
+    return [problem] if problem is not None else []
 
 
 def _predicted_cpu_isa(config, head_size) -> str | None:
@@ -363,14 +393,12 @@ def install_sparse_attention(
                 "plugin do) or restart the engine with this configuration"
             )
         if reasons:
-            problems.append(f"  {name}: " + "; ".join(reasons))
+            problems.append((name, reasons))
         else:
             targets.append((name, layer))
     if problems:
-        raise ValueError(
-            f"sparse attention cannot be installed on {len(problems)} layer(s); nothing was changed:\n"
-            + "\n".join(problems)
-        )
+        raise ValueError(refusal_message(f"sparse attention cannot be installed on {len(problems)} layer(s); "
+                                         "nothing was changed:", problems))
 
     # One context per engine: reuse (and reconfigure in place) the one the covered layers already share.
     existing = {id(s.context): s.context for _, layer in targets if (s := layer_state(layer)) is not None}

@@ -25,7 +25,23 @@ FLASH_ATTN_LAYOUTS = (
 )
 CPU_ATTN_LAYOUTS = ("CPU_ATTN [num_blocks, Hkv, page, 2*D]: per block and head K as [D, page] then V as [page, D]",)
 CPU_KNOWN_ISAS = ("vec", "vec16")
-"""CPU-attention ISAs whose cache layout was measured (K transposed, V row-major); others are refused."""
+"""CPU-attention ISAs whose cache layout the views read (measured: K transposed, V row-major)."""
+CPU_ISA_FOR_SPARSE = {"amx": "vec"}
+"""CPU-attention ISAs the sparse builder replaces for its layers, with the readable ISA it uses instead.
+
+vLLM picks `amx` for bf16 on CPUs with AMX tiles when the page size is a multiple of 32 (`_get_attn_isa`); its
+cache stores K and V in VNNI pairs that no `[blocks, page, Hkv, D]` view can express (../shared/reference/
+cpu_amx_layout.md). `vec` runs on every x86 CPU under the same page-size rule, so the sparse builder sets `vec` on
+its group (`layer.isa`): vLLM's own cache writer, scheduler metadata and dense forward then all use `vec`'s layout,
+which the kernels read in place. Layers outside a sparse group keep vLLM's choice."""
+
+
+def cpu_isa_problem(isa: str | None) -> str | None:
+    """Why the sparse kernels cannot serve a CPU-attention layer on this ISA (None when they can, or unknown)."""
+    if isa is None or isa in CPU_KNOWN_ISAS or isa in CPU_ISA_FOR_SPARSE:
+        return None
+    return (f"CPU attention ISA {isa!r}: the kernels do not read its KV-cache layout (they read {CPU_KNOWN_ISAS}, "
+            f"and serve {tuple(CPU_ISA_FOR_SPARSE)} layers on 'vec'); serve on an x86 CPU")
 
 
 def _layout_error(kind: str, kv_cache: torch.Tensor, head_size: int, layouts, extra: str = "") -> ValueError:
@@ -98,8 +114,8 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
     """
     if isa not in CPU_KNOWN_ISAS:
         raise ValueError(
-            f"CPU attention ISA {isa!r} has an unverified KV-cache layout; supported ISAs: {CPU_KNOWN_ISAS}. "
-            "Run on a machine where vLLM picks 'vec'/'vec16' (e.g. float32/float16 models, or no AMX)."
+            f"CPU attention ISA {isa!r}: no [blocks, page, Hkv, D] view reads its KV-cache layout (views exist for "
+            f"{CPU_KNOWN_ISAS}; the sparse CPU builder serves {tuple(CPU_ISA_FOR_SPARSE)} groups on 'vec')"
         )
     if kv_cache.dim() != 4 or kv_cache.shape[3] != 2 * head_size:
         raise _layout_error("CPU_ATTN", kv_cache, head_size, CPU_ATTN_LAYOUTS)

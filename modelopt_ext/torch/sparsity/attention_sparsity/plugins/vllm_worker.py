@@ -109,6 +109,19 @@ def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
         ) from None
 
 
+def check_engine_config(vllm_config) -> None:
+    """Refuse, before any weight loads, what the engine config already says no layer can run sparse (e.g. a CPU
+    attention ISA whose cache layout the kernels do not read). One line per reason; the fix on each line."""
+    from .vllm_install import predicted_startup_problems
+
+    problems = predicted_startup_problems(vllm_config)
+    if problems:
+        model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+        raise ValueError("\n".join([f"sparse attention cannot serve {model} on this engine:",
+                                    *(f"  every attention layer: {p}; or set {ENV_ENABLE}=0 to serve dense"
+                                      for p in problems)]))
+
+
 def summarize_stats(stats: dict) -> dict:
     """Sum per-layer (visited, skipped) tile counts into per-phase totals and realized sparsity."""
     totals = {}
@@ -176,6 +189,8 @@ class SparseAttnWorkerMixin:
     def load_model(self, *args, **kwargs):
         route_logs_through_vllm()
         settings = check_checkpoint_config(self.vllm_config.model_config)  # before any weight loads
+        if sparse_attention_enabled():
+            check_engine_config(self.vllm_config)
         result = super().load_model(*args, **kwargs)
         if sparse_attention_enabled():
             install_for_serving(self, settings, prepare_dense=True)
@@ -284,6 +299,8 @@ def _patch_worker_class(cls) -> None:
             return original_load(self, *args, **kwargs)
         route_logs_through_vllm()
         settings = check_checkpoint_config(self.vllm_config.model_config)  # before any weight loads
+        if settings is not None:
+            check_engine_config(self.vllm_config)
         self._modelopt_ext_loading = True
         try:
             result = original_load(self, *args, **kwargs)
@@ -344,7 +361,8 @@ def _wrap_engine_config_check() -> None:
         config = original(self, *args, **kwargs)
         if getattr(config, "model_config", None) is not None:
             route_logs_through_vllm()
-            check_checkpoint_config(config.model_config)
+            if check_checkpoint_config(config.model_config) is not None:
+                check_engine_config(config)
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)

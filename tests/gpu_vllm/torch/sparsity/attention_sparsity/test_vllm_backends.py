@@ -205,19 +205,30 @@ def test_kernel_block_sizes_offered_to_vllm_are_the_covered_ones(vllm_config, mo
         assert select_common_block_size(48, [plug.ModelOptSparseFlashAttentionBackend]) == 16
 
 
-def test_unmeasured_cpu_isa_refused_when_the_builder_is_made(make_layer, vllm_config, monkeypatch):
+def test_cpu_builder_serves_amx_groups_on_vec_and_refuses_unreadable_isas(make_layer, vllm_config, monkeypatch):
+    """On a CPU with AMX tiles vLLM picks ISA 'amx' for bf16 (K/V in VNNI pairs: no [blocks, page, Hkv, D] view
+    reads it). The sparse builder sets 'vec' on its group through vLLM's own per-group ISA, so vLLM's cache writer,
+    scheduler metadata and dense forward use the layout the kernels read; a native group keeps 'amx'."""
     from vllm.v1.attention.backends import cpu_attn
 
     if not hasattr(cpu_attn, "_get_attn_isa"):
         pytest.skip("this vLLM's CPU attention chooses no ISA in its builder")
-    layer = make_layer("cpu_attn", head_size=D)
-    plug.install_sparse_attention([layer], _settings(sf_prefill=8.0))
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "amx")
-    with pytest.raises(ValueError, match=r"chose ISA 'amx'.*not measured"):
-        make_builder(vllm_config, [layer])
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "vec16")
-    make_builder(vllm_config, [layer])
-    assert layer.impl._modelopt_sparse.isa == "vec16"  # the layout the impl reads, decided at start-up
+    # This CPU may lack AMX: only vLLM's probe is answered, its ISA rule (bf16, page % 32 == 0) runs as it is.
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(vllm_config.model_config, "dtype", torch.bfloat16)
+    sparse, dense = make_layer("cpu_attn", head_size=D), make_layer("cpu_attn", head_size=D)
+    plug.install_sparse_attention([sparse], _settings(sf_prefill=8.0))
+    native_builder = make_builder(vllm_config, [dense], page=32)
+    if native_builder.isa != "amx":
+        pytest.skip(f"this vLLM picks {native_builder.isa!r} for bf16 on AMX (no 'amx' ISA)")
+    assert dense.isa == "amx"  # vLLM's choice for a group without sparse layers, untouched
+    builder = make_builder(vllm_config, [sparse], page=32)
+    assert builder.isa == "vec" and sparse.isa == "vec"  # what vLLM's writer and dense forward read
+    assert sparse.impl._modelopt_sparse.isa == "vec"  # the layout the sparse impl reads, decided at start-up
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")  # ARM's ISA: its layout is not read
+    with pytest.raises(ValueError, match=r"ISA 'neon': the kernels do not read.*MODELOPT_EXT_SPARSE_ATTN=0"):
+        make_builder(vllm_config, [sparse], page=32)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -155,3 +155,72 @@ def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
     assert type(layer.impl) is plug.ModelOptSparseCPUAttentionImpl
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
     assert plug.collect_calibration_records([layer])[0]["kv_lens"].tolist() == b.kv_lens
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bf16 on CPUs with AMX: vLLM picks ISA 'amx' (K/V in VNNI pairs); the sparse builder serves its group on 'vec'.
+
+AMX_REASON = "needs AMX tiles (Intel Sapphire Rapids or later): vLLM's native 'amx' attention is the baseline"
+
+
+def _float64_attention(b, dim):
+    """Causal attention of each sequence's new queries over all its keys, in float64 (GQA: head h reads h // 2)."""
+    outs, start = [], 0
+    for i, (ql, kl) in enumerate(zip(b.q_lens, b.kv_lens, strict=True)):
+        q = b.q[int(b.qsl[i]) : int(b.qsl[i + 1])].double()
+        k = b.k[start : start + kl].double().repeat_interleave(2, dim=1)
+        v = b.v[start : start + kl].double().repeat_interleave(2, dim=1)
+        start += kl
+        s = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
+        visible = torch.arange(kl)[None, :] <= (kl - ql + torch.arange(ql))[:, None]
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~visible, -math.inf), -1), v))
+    return torch.cat(outs)
+
+
+def _bf16_layer_output(monkeypatch, *, sparse: bool, prefix: str):
+    """One bf16 CPU layer on an AMX-predicting engine: vLLM's builder and writer (by `layer.isa`), then forward.
+    Sparse: calibrate mode (dense output from our kernel, reading the cache in place). Returns (isa, output)."""
+    from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
+
+    page, dim, dtype = 32, 64, torch.bfloat16
+    cfg = engine_config()
+    monkeypatch.setattr(cfg.model_config, "dtype", dtype)
+    layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim, prefix=prefix)
+    if sparse:
+        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0])
+    b = _batch(page, dim, dtype)
+    step = types.SimpleNamespace(
+        q_lens=b.q_lens, kv_lens=b.kv_lens, query_start_loc=b.qsl, seq_lens=b.seq_lens, block_table=b.block_table,
+        slot_mapping=b.slots, num_tokens=int(b.qsl[-1]),
+    )
+    md = build_metadata(make_builder(cfg, [layer], page=page), step)
+    kv_cache = torch.randn(b.nb, 2, page, 2 * dim).to(dtype)  # slots nobody writes hold noise, not zeros
+    layer.impl.do_kv_cache_update(layer, b.k, b.v, kv_cache, b.slots)  # vLLM's writer, in `layer.isa`'s layout
+    out = torch.full_like(b.q, math.nan)
+    layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)
+    return layer.isa, out, b
+
+
+def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch):
+    """vLLM's own ISA rule with its AMX probe answered yes (this CPU may lack AMX; no AMX code runs): the group
+    would be 'amx'; the sparse builder sets 'vec', vLLM's writer writes that layout, our kernel reads it in place.
+    Against float64 attention: bf16 atol 2e-2 (bf16 K/V, P rounded to bf16 by neither side, fp32 accumulation)."""
+    if not torch.cpu._is_amx_tile_supported():
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    if cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) != "amx":
+        pytest.skip("this vLLM does not pick 'amx' for bf16 on AMX CPUs")
+    isa, out, b = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_rule.attn")
+    assert isa == "vec"
+    torch.testing.assert_close(out.double(), _float64_attention(b, 64), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason=AMX_REASON)
+def test_sparse_bf16_on_vec_matches_vllms_native_amx_attention(monkeypatch):
+    """On a real AMX CPU: the native layer runs vLLM's 'amx' writer and attention; the sparse one 'vec' and our
+    kernel. Same K/V, same queries: outputs agree to bf16 precision (atol 2e-2), and both to float64."""
+    torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
+    native_isa, native, b = _bf16_layer_output(monkeypatch, sparse=False, prefix="cpu_amx_native.attn")
+    sparse_isa, ours, _ = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_sparse.attn")
+    assert (native_isa, sparse_isa) == ("amx", "vec")
+    torch.testing.assert_close(ours.float(), native.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(native.double(), _float64_attention(b, 64), atol=2e-2, rtol=0)

@@ -333,9 +333,9 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
     fp8.impl.kv_cache_dtype = "fp8_e4m3"
     bad = [(window, "sliding window"), (capped, "soft-cap"), (alibi, "ALiBi"), (fp8, "FP8")]
     if cpu == "cpu_attn":
-        amx = make_layer("cpu_attn", head_size=D)
-        amx.isa = "amx"
-        bad.append((amx, "'amx'"))
+        neon = make_layer("cpu_attn", head_size=D)
+        neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout ('amx' is served on 'vec')
+        bad.append((neon, "'neon'"))
     with pytest.raises(ValueError) as err:
         plug.install_sparse_attention([good, *(layer for layer, _ in bad)], _settings(sf_prefill=4.0))
     msg = str(err.value)
@@ -343,6 +343,20 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
     for layer, words in bad:
         assert layer.layer_name in msg and words in msg
     assert type(good.impl).__name__ == "FlashInferImpl"  # nothing changed
+
+
+def test_install_refusal_is_one_line_per_reason(make_layer):
+    """Thirty layers refused for one reason make one line ("30 layers (first, second, ..., last): reason")."""
+    windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(5)]
+    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
+    with pytest.raises(ValueError) as err:
+        plug.install_sparse_attention([*windows, capped], _settings(sf_prefill=4.0))
+    lines = str(err.value).splitlines()
+    assert "6 layer(s)" in lines[0] and len(lines) == 3
+    window_line = next(line for line in lines if "sliding window" in line)
+    names = [w.layer_name for w in windows]
+    assert window_line.startswith(f"  5 layers ({names[0]}, {names[1]}, ..., {names[-1]}): sliding window")
+    assert f"  1 layer ({capped.layer_name}): logit soft-cap 30.0 is not supported" in lines
 
 
 def test_install_rejects_sinks_encoder_and_odd_head_sizes(make_layer):

@@ -86,6 +86,27 @@ def test_switched_off_serves_dense_and_says_so(tmp_path, monkeypatch, caplog):
                for r in caplog.records)
 
 
+def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config, monkeypatch):
+    """What the engine config predicts (CPU attention ISA from dtype, page size, head size) is refused there, one
+    line per reason; 'amx' (bf16 on AMX CPUs) is not refused: the sparse builder serves its layers on 'vec'."""
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+
+    if not hasattr(cpu_attn, "_get_attn_isa"):
+        pytest.skip("this vLLM's CPU attention chooses no ISA")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # vLLM's probe only (this CPU may lack it)
+    monkeypatch.setattr(vllm_config.model_config, "dtype", torch.bfloat16)
+    monkeypatch.setattr(vllm_config.cache_config, "block_size", 128)
+    vllm_worker.check_engine_config(vllm_config)  # 'amx' predicted: nothing to refuse
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")
+    with pytest.raises(ValueError) as err:
+        vllm_worker.check_engine_config(vllm_config)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("  every attention layer: CPU attention ISA 'neon'")
+    assert lines[1].endswith("MODELOPT_EXT_SPARSE_ATTN=0 to serve dense")
+
+
 def test_register_wraps_the_engine_config_path_and_unregister_restores_it():
     from vllm.engine.arg_utils import EngineArgs
 
