@@ -118,7 +118,7 @@ class KernelCase:
         import torch
         from vllm import _custom_ops as ops
 
-        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_kv_cache import (
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import (
             CPU_ISA_FOR_SPARSE,
             _cpu_attn_kv_cache_views,
         )
@@ -356,7 +356,7 @@ RESULT_TAG = "BENCH_CPU_RESULT "
 
 def sparse_checkpoint(model: Path, fit_json: Path, law: str, target: float, dst: Path) -> Path:
     """A private copy of `model` (weights linked) whose config.json carries the calibrated law of `fit_json`."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         build_sparse_attention_config,
         linked_checkpoint_copy,
         write_sparse_attention_config,

@@ -60,12 +60,12 @@ def laws_from_config(config_path: Path, want: list[str]) -> tuple[dict, dict]:
     the records kept beside the config (the same counts), when they are there.
     """
     from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import fit_phases, points_from_merged_record
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
-        load_sparse_attention_config,
-    )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         load_calibration_records,
         records_path_for,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+        load_sparse_attention_config,
     )
 
     settings = load_sparse_attention_config(config_path)
@@ -100,7 +100,7 @@ def calibrate_with_script(ckpt: Path, out_dir: Path, calib_args: str) -> tuple[P
 
 
 def law_block(fits: dict, target: float, classes: list[str]) -> dict:
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         build_sparse_attention_config,
     )
 
@@ -129,14 +129,15 @@ def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str =
     """vLLM's default engine (multi-process) with our worker class, as the example scripts start it."""
     sys.path.insert(0, str(EXAMPLES))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
-    from sparse_attn_worker import default_worker_cls
     from vllm import LLM
     from vllm.platforms import current_platform
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
 
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every held-out prompt at once fits
     return LLM(model=str(ckpt), max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
-               seed=0, max_num_seqs=max_num_seqs, dtype=dtype, worker_cls=default_worker_cls())  # fmt: skip
+               seed=0, max_num_seqs=max_num_seqs, dtype=dtype, worker_extension_cls=worker_extension_cls())  # fmt: skip
 
 
 def _token_prompts(prompts):
@@ -145,7 +146,7 @@ def _token_prompts(prompts):
 
 def phase_totals(ranks) -> np.ndarray:
     """[2 (prefill, decode), T, 2 (visited, skipped)] summed over every sequence-step of merged records."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         merge_calibration_records,
     )
 

@@ -28,7 +28,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
 log = logging.getLogger("demo")
 REPO = Path(__file__).resolve().parent.parent

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # engine_setup, sparse_attn_worker
+sys.path.insert(0, str(HERE))  # engine_setup
 
 import engine_setup  # noqa: E402
 
@@ -158,7 +158,7 @@ def _check_checkpoint(args) -> tuple[Path, dict]:
         raise ArgumentError("checkpoint", f"cannot read {config_path}: {exc}", "fix or restore config.json") from None
     if not isinstance(config, dict):
         raise ArgumentError("checkpoint", f"{config_path} is not a JSON object", "fix or restore config.json")
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         SparseAttentionConfigError,
         load_sparse_attention_config,
     )
@@ -192,7 +192,7 @@ def _check_targets(args) -> dict[str, float | None]:
 
 
 def _check_output(args) -> tuple[Path, Path]:
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import records_path_for
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import records_path_for
 
     output = Path(args.output).resolve()
     if output.is_dir():
@@ -403,12 +403,12 @@ def _is_engine_process(proc) -> bool:
 
 
 def _llm_kwargs(args, plan: Plan, max_model_len: int) -> dict:
-    from sparse_attn_worker import default_worker_cls
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
 
     kwargs = dict(
         model=str(plan.ckpt), dtype=args.dtype, max_model_len=max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True, enable_prefix_caching=False,
-        seed=args.seed, worker_cls=default_worker_cls(),
+        seed=args.seed, worker_extension_cls=worker_extension_cls(),
     )  # fmt: skip
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
@@ -511,7 +511,7 @@ def fit_and_write(args, plan: Plan, merged: dict) -> int:
         plot_fit,
         points_from_merged_record,
     )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         build_sparse_attention_config,
         write_json_atomic,
         write_sparse_attention_config,
@@ -559,7 +559,7 @@ def fit_and_write(args, plan: Plan, merged: dict) -> int:
 
 
 def _keep_records(args, plan: Plan, merged: dict, meta: dict) -> None:
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         save_calibration_records,
     )
 
@@ -571,7 +571,7 @@ def _keep_records(args, plan: Plan, merged: dict, meta: dict) -> None:
 
 
 def refit(args, plan: Plan) -> int:
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         load_calibration_records,
         save_calibration_records,
     )
@@ -596,7 +596,7 @@ def calibrate(args, plan: Plan) -> int:
         build_calibration_prompts,
         samples_from_prompts,
     )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         merge_calibration_records,
     )
 

@@ -4,10 +4,11 @@
     python examples/vllm_serve/vllm_serve_sparse_attn.py <ckpt> [any vllm serve arguments]
 
 The checkpoint's `sparse_attention_config` (written by calibrate_sparse_attn.py) is validated here, before the
-model loads; then this process becomes vLLM's API server (same PID) with the sparse-attention worker class,
-which gives every attention layer the sparse backend and impl after the model loads (before the KV cache exists)
-and logs which layers run sparse. A checkpoint without the block serves dense. vLLM chooses the CUDA-graph mode
-from the sparse metadata builders (piecewise by default; logged once), so no graph option is needed.
+model loads; then this process becomes vLLM's API server (same PID) with the plugin's worker RPCs
+(`--worker-extension-cls`, composed with one you pass). The package's vLLM general plugin gives every attention
+layer the sparse backend and impl after the model loads (before the KV cache exists) and logs which layers run
+sparse. A checkpoint without the block serves dense. vLLM chooses the CUDA-graph mode from the sparse metadata
+builders (piecewise by default; logged once), so no graph option is needed.
 Realized sparsity: the worker logs it every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY
 steps, and `collective_rpc("sparse_attn_status")` returns it (with VLLM_SERVER_DEV_MODE=1, also over HTTP:
 POST /collective_rpc {"method": "sparse_attn_status"}).
@@ -28,7 +29,7 @@ USAGE = "usage: vllm_serve_sparse_attn.py <checkpoint> [vllm serve arguments]"
 
 def check_checkpoint(ckpt: Path) -> None:
     """Fail before the model loads on a malformed config; say clearly when the checkpoint serves dense."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         SparseAttentionConfigError,
         load_sparse_attention_config,
     )
@@ -51,16 +52,29 @@ def check_checkpoint(ckpt: Path) -> None:
                     f"target sparsity {calib.target_sparsity:.2f}, scale factor {calib.scale_factor:.4g}")
 
 
-def _has_flag(args: list[str], *names: str) -> bool:
-    return any(a == n or a.startswith(n + "=") for a in args for n in names)
+def _flag_value(args: list[str], name: str) -> tuple[int, str] | None:
+    """(index, value) of `name VALUE` or `name=VALUE` among the arguments, None when absent."""
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag == name:
+            return i, (value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return None
 
 
-def server_command(ckpt: Path, extra: list[str], worker_cls: str) -> list[str]:
-    """vLLM's API server command line with the sparse worker class (unless the user named one)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
-    if not _has_flag(extra, "--worker-cls"):
-        cmd += ["--worker-cls", worker_cls]
-    return cmd
+def server_command(ckpt: Path, extra: list[str]) -> list[str]:
+    """vLLM's API server command line with the plugin's worker RPCs (`--worker-extension-cls`), composed with an
+    extension class the user names."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
+
+    extra = list(extra)
+    found = _flag_value(extra, "--worker-extension-cls")
+    if found is None:
+        extra += ["--worker-extension-cls", worker_extension_cls()]
+    else:
+        i, user = found
+        composed = worker_extension_cls(user)
+        extra[i : i + (1 if "=" in extra[i] else 2)] = ["--worker-extension-cls", composed]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
 
 
 def tensor_parallel_size(args: list[str]) -> int:
@@ -86,7 +100,6 @@ def main(argv=None) -> int:
     check_checkpoint(ckpt)
 
     sys.path.insert(0, str(HERE))
-    from sparse_attn_worker import default_worker_cls
     from vllm.platforms import current_platform
 
     env = dict(os.environ)
@@ -102,7 +115,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: --tensor-parallel-size: {exc}; lower it") from None
         if bind:
             logger.info("CPU engine with %d workers: %s=%s", tp, engine_setup.ENV_CPU_BIND, bind)
-    cmd = server_command(ckpt, argv[1:], default_worker_cls())
+    cmd = server_command(ckpt, argv[1:])
     logger.info("starting: %s", " ".join(cmd))
     sys.stdout.flush()
     sys.stderr.flush()

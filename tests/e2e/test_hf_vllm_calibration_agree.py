@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from e2e_lib import CALIBRATE, env
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +61,7 @@ def both_paths(smollm2_checkpoint, tmp_path_factory):
 
     import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
     from modelopt_ext.torch.sparsity.attention_sparsity.calibration.calibrate import run_sample
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         load_calibration_records,
     )
 

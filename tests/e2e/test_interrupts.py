@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from e2e_lib import descendants, env, readme_calibrate_command, still_running, wait_for_log
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from e2e_lib import EXAMPLES, env
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -24,14 +24,14 @@ DRIVER = textwrap.dedent(
     """
     import json, sys
     from vllm import LLM, SamplingParams
-    from sparse_attn_worker import default_worker_cls
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
 
     def main():
         ckpt, budget, block, prompts_json = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
         prompts = json.load(open(prompts_json))
         llm = LLM(model=ckpt, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
                   max_num_batched_tokens=budget, enable_chunked_prefill=True, enable_prefix_caching=False,
-                  block_size=block, kv_cache_memory_bytes=256 * 2**20, worker_cls=default_worker_cls())
+                  block_size=block, kv_cache_memory_bytes=256 * 2**20, worker_extension_cls=worker_extension_cls())
         params = SamplingParams(temperature=0.0, max_tokens=12)
         alone, counts = [], []
         for p in prompts:
@@ -58,7 +58,7 @@ def _prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def sparse_ckpt(smollm2_checkpoint, tmp_path_factory):
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         build_sparse_attention_config,
         write_sparse_attention_config,
     )

@@ -20,7 +20,7 @@ import pytest
 from e2e_lib import CALIBRATE, LONG_PROMPT, SERVE, env, free_port, http_json, readme_calibrate_command
 from e2e_lib import serving as serving_ctx
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,7 @@ def calibrated(smollm2_checkpoint, tmp_path_factory):
 
 
 def test_calibration_writes_both_phases_and_the_records(calibrated):
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         load_sparse_attention_config,
     )
 

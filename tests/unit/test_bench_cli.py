@@ -108,12 +108,12 @@ def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_reco
         fit_phases,
         points_from_merged_record,
     )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
-        build_sparse_attention_config,
-    )
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         records_path_for,
         save_calibration_records,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+        build_sparse_attention_config,
     )
 
     engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import logging
@@ -224,13 +225,24 @@ def test_cpu_engine_thread_binding_splits_the_cpus():
     assert engine_setup.set_cpu_threads_bind(env, 2) is None and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
 
 
-def test_serve_command_defaults(tmp_path):
-    cmd = serve.server_command(tmp_path, ["--port", "8000"], "w.Worker")
-    assert cmd[cmd.index("--worker-cls") + 1] == "w.Worker"
-    assert "--compilation-config" not in cmd  # vLLM picks the graph mode from the sparse builders
-    # the user's choices win
-    cmd = serve.server_command(tmp_path, ["--enforce-eager", "--worker-cls=my.W"], "w.Worker")
-    assert cmd.count("--worker-cls=my.W") == 1 and "--worker-cls" not in cmd
+def _resolve(qualname: str):
+    module, _, attr = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def test_serve_command_adds_the_worker_extension_composed_with_the_users(tmp_path):
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import SparseAttnWorkerExtension
+
+    cmd = serve.server_command(tmp_path, ["--port", "8000"])
+    assert _resolve(cmd[cmd.index("--worker-extension-cls") + 1]) is SparseAttnWorkerExtension
+    assert "--compilation-config" not in cmd and "--worker-cls" not in cmd  # vLLM picks graphs and worker
+    # the user's extension is kept: one class that has both its methods and the plugin's RPCs
+    for user in (["--worker-extension-cls=argparse.Namespace"], ["--worker-extension-cls", "argparse.Namespace"]):
+        cmd = serve.server_command(tmp_path, ["--enforce-eager", *user])
+        assert cmd.count("--worker-extension-cls") == 1 and "argparse.Namespace" not in cmd
+        composed = _resolve(cmd[cmd.index("--worker-extension-cls") + 1])
+        assert issubclass(composed, argparse.Namespace) and issubclass(composed, SparseAttnWorkerExtension)
+        assert _resolve(cmd[cmd.index("--worker-extension-cls") + 1]) is composed  # one class per process
 
 
 def test_serve_checks_the_config_before_loading(tmp_path, caplog):

@@ -19,7 +19,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import (
     level_crossings,
     plot_fit,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     build_sparse_attention_config,
     parse_sparse_attention_config,
 )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import fit_phases, points_from_merged_record
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
     FILE_FORMAT,
     WIRE_FORMAT,
     decode_record,

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     SparseAttentionConfigError,
     SparseAttentionSettings,
     build_sparse_attention_config,
@@ -22,7 +22,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
     parse_sparse_attention_config,
     write_sparse_attention_config,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.schema import MODELOPT_STATIC_THRESHOLD
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import MODELOPT_STATIC_THRESHOLD
 
 mo_cfg = pytest.importorskip("modelopt.torch.sparsity.attention_sparsity.plugins.sparse_attn_config")
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     PhaseCalibration,
     SparseAttentionConfigError,
     SparseAttentionSettings,
@@ -28,7 +28,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config i
     write_json_atomic,
     write_sparse_attention_config,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.schema import MODELOPT_STATIC_THRESHOLD
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import MODELOPT_STATIC_THRESHOLD
 
 # The skip group of the example output in ModelOpt 0.47's conversion.export_sparse_attention_config docstring.
 SKIP_GROUP = {
@@ -555,9 +555,9 @@ def test_importable_without_vllm_torch_or_modelopt():
     """The serving side reads configs before any model loads: these modules must stay light."""
     code = (
         "import sys\n"
-        "import modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config\n"
-        "import modelopt_ext.torch.sparsity.attention_sparsity.schema\n"
-        "import modelopt_ext.torch.sparsity.attention_sparsity.atomic_io\n"
+        "import modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io\n"
+        "import modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.schema\n"
+        "import modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.atomic_io\n"
         "import modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit\n"
         "import modelopt_ext.torch.sparsity.attention_sparsity.calibration.data\n"
         "heavy = {'vllm', 'torch', 'transformers', 'modelopt', 'matplotlib', 'scipy'}\n"

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from modelopt_ext.torch.sparsity.attention_sparsity.calibration.fit import PhaseFit
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import PhaseCalibration
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import PhaseCalibration
 
 
 @pytest.mark.parametrize("target", [0.3, 0.5, 0.7])

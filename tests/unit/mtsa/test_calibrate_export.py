@@ -12,7 +12,7 @@ from mtsa_models import make_byte_tokenizer, make_tiny_llama, random_ids
 
 import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
 from modelopt_ext.torch.sparsity.attention_sparsity.calibration.calibrate import run_sample
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     load_sparse_attention_config,
     parse_sparse_attention_config,
 )

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.errors import SparseAttentionConfigError
 from modelopt_ext.torch.sparsity.attention_sparsity.config import as_config
-from modelopt_ext.torch.sparsity.attention_sparsity.schema import SparseAttentionConfigError
 
 
 def test_presets_parse():

@@ -2,7 +2,7 @@
 
 The layout follows ModelOpt's sparse-attention configs so presets read the same: `sparse_cfg` maps fnmatch
 patterns over module names (e.g. ``"*self_attn*"``) to a layer config, and the reserved key ``"calibration"`` holds
-the calibration settings. The fields and their validation live in `schema.py` (one schema for the mode config and
+the calibration settings. The fields and their validation live in `checkpoint/` (one schema for the mode config and
 the checkpoint block); this module only binds them to ModelOpt's mode framework (`ModeloptBaseConfig`) and holds the
 presets. Every error names the offending field (``sparse_cfg['*attn*'].thresholds.prefill``) and the fix, so a typo
 fails at `mtsa.sparsify` instead of silently meaning "dense".
@@ -17,16 +17,9 @@ from modelopt.torch.opt.config import ModeloptBaseConfig, ModeloptField
 from pydantic import ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from .schema import (
-    BACKENDS,
-    CALIBRATION_KEY,
-    METHODS,
-    PHASES,
-    SkipSoftmaxCalibrationConfig,
-    SkipSoftmaxLayerConfig,
-    SparseAttentionConfigError,
-    normalize_sparse_cfg,
-)
+from .checkpoint.constants import BACKENDS, CALIBRATION_KEY, METHODS, PHASES
+from .checkpoint.errors import SparseAttentionConfigError
+from .checkpoint.schema import SkipSoftmaxCalibrationConfig, SkipSoftmaxLayerConfig, normalize_sparse_cfg
 
 __all__ = [
     "BACKENDS",

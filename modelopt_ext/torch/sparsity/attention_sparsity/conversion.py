@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .checkpoint.config_io import PhaseCalibration
 from .config import PHASES, SkipSoftmaxLayerConfig, SparseAttentionConfig, as_config
 from .plugins.huggingface import (
     STATE_ATTR,
@@ -24,7 +25,6 @@ from .plugins.huggingface import (
     find_attention_modules,
     set_model_attention,
 )
-from .plugins.sparse_attn_config import PhaseCalibration
 
 logger = logging.getLogger(__name__)
 

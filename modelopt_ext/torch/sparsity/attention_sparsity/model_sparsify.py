@@ -12,11 +12,11 @@ import modelopt.torch.opt as mto
 from modelopt.torch.opt.conversion import ModeloptStateManager
 from torch import nn
 
+from .checkpoint.config_io import build_sparse_attention_config, write_sparse_attention_config
 from .config import PHASES, SparseAttentionConfig, as_config
 from .conversion import set_sparse_attention_by_pattern, sparse_attention_states
 from .mode import MODE_NAME, SparseAttentionModeRegistry
 from .plugins.huggingface import find_attention_modules
-from .plugins.sparse_attn_config import build_sparse_attention_config, write_sparse_attention_config
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..atomic_io import write_json_atomic
+from ..checkpoint.atomic_io import write_json_atomic
 from . import natural_text
 
 logger = logging.getLogger(__name__)

@@ -48,8 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from ..plugins.sparse_attn_config import PHASES, PhaseCalibration
-from ..schema import LENGTH_EXPONENT_PIVOT, LENGTH_EXPONENT_RANGE, served_length_exponent
+from ..checkpoint.config_io import PHASES, PhaseCalibration
+from ..checkpoint.constants import LENGTH_EXPONENT_PIVOT, LENGTH_EXPONENT_RANGE
+from ..checkpoint.resolve import served_length_exponent
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +479,7 @@ def log_unreachable(fit: PhaseFit, target: float, label: str = "") -> None:
 
 
 def points_from_merged_record(record: Mapping[str, Any]) -> dict[str, list[FitPoint]]:
-    """Fit points per phase from a merged vLLM calibration record (plugins/vllm_calibration_records.py).
+    """Fit points per phase from a merged vLLM calibration record (checkpoint/calibration_records.py).
 
     The record already sums the raw counts of every layer and rank per sequence-step, so each entry is one
     sample: a prefill chunk or a decode step, with its own kv_len.

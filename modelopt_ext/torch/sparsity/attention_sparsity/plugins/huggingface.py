@@ -27,7 +27,7 @@ from torch import nn
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
 
-from .sparse_attn_config import PHASES, PhaseCalibration
+from ..checkpoint.config_io import PHASES, PhaseCalibration
 
 logger = logging.getLogger(__name__)
 

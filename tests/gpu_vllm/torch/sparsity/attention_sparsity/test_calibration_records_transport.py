@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
     encode_record,
     make_record,
     merge_calibration_records,

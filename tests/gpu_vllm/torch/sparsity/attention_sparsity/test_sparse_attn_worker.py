@@ -9,7 +9,6 @@ the HTTP server are covered by tests/e2e.
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,8 @@ def llm(smollm2_checkpoint):
     mp.syspath_prepend(str(EXAMPLES))
     from vllm import LLM
 
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
+
     engine = LLM(
         model=str(smollm2_checkpoint),
         dtype="float32",
@@ -39,13 +40,12 @@ def llm(smollm2_checkpoint):
         kv_cache_memory_bytes=256 * 2**20,
         seed=0,
         enable_prefix_caching=False,
-        worker_cls="sparse_attn_worker.SparseAttnCPUWorker",
+        worker_extension_cls=worker_extension_cls(),
     )
     yield engine
     del engine
     gc.collect()
     mp.undo()
-    sys.modules.pop("sparse_attn_worker", None)
 
 
 def _generate(llm, prompts, max_tokens):
@@ -63,7 +63,7 @@ def test_dense_checkpoint_serves_dense(llm):
 
 
 def test_calibration_rpcs_return_aligned_raw_counts(llm):
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import (
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import (
         merge_calibration_records,
     )
 

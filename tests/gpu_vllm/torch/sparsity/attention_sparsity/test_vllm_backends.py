@@ -32,12 +32,12 @@ from vllm_plugin_testlib import (  # noqa: E402
     run_layer,
 )
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
     PhaseCalibration,
     SparseAttentionSettings,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_prompt_lens import (  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prompt_lens import (  # noqa: E402
     InputBatchPromptLens,
     RequestStatePromptLens,
     prompt_lens_source,

@@ -29,11 +29,11 @@ from vllm_plugin_testlib import (  # noqa: E402
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     PhaseCalibration,
     SparseAttentionSettings,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
 
 PAGE, NB, D = 16, 64, 32
 TRIALS = (5.0, 30.0, 90.0)  # scale factors: λ_t = sf_t / n
@@ -204,7 +204,7 @@ def test_merge_over_layers_and_ranks_sums_raw_counts(make_layer, vllm_config):
 
 def _record(kv_lens=(100, 7), is_decode=(True, False), trials=TRIALS, layer="l"):
     counts = np.ones((len(kv_lens), len(trials), 2), dtype=np.int64)
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm_calibration_records import make_record
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.calibration_records import make_record
 
     return make_record(layer, trials, kv_lens, is_decode, counts)
 

@@ -6,11 +6,11 @@ import pytest
 
 pytest.importorskip("vllm.v1.attention.backends.flash_attn")
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
     PhaseCalibration,
     SparseAttentionSettings,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
 
 
 def _settings(disabled):

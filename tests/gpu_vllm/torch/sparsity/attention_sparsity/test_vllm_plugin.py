@@ -33,11 +33,11 @@ from vllm_plugin_testlib import (  # noqa: E402
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     PhaseCalibration,
     SparseAttentionSettings,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
 
 PAGE, NB, D = 16, 64, 32
 

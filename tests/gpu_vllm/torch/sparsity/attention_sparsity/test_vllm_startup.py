@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm_worker  # noqa: E402
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import (  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
     SparseAttentionConfigError,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import checks, entry  # noqa: E402
 
 BAD_BLOCK = {
     "config_groups": {
@@ -43,7 +43,7 @@ FIELD = "sparse_attention_config.config_groups.group_0.threshold_scale_factor.pr
 def _checkpoint(src: Path, dst: Path, block) -> Path:
     """A private checkpoint: config.json rewritten with `block` as is (no validation: some are meant to be bad),
     the other files linked."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.sparse_attn_config import linked_checkpoint_copy
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
     linked_checkpoint_copy(src, dst)
     config = json.loads((src / "config.json").read_text())
@@ -72,7 +72,7 @@ def test_malformed_block_is_one_line_naming_the_field(tmp_path, monkeypatch):
     monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN", raising=False)
     model_config = _model_config(_tiny_checkpoint(tmp_path, BAD_BLOCK))
     with pytest.raises(SparseAttentionConfigError) as err:
-        vllm_worker.check_checkpoint_config(model_config)
+        checks.check_checkpoint_config(model_config)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(FIELD + ":") and "MODELOPT_EXT_SPARSE_ATTN=0" in msg
 
@@ -81,7 +81,7 @@ def test_switched_off_serves_dense_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN", "0")
     model_config = _model_config(_tiny_checkpoint(tmp_path, BAD_BLOCK))
     with caplog.at_level(logging.INFO, logger="modelopt_ext"):
-        assert vllm_worker.check_checkpoint_config(model_config) is None
+        assert checks.check_checkpoint_config(model_config) is None
     assert any("MODELOPT_EXT_SPARSE_ATTN=0: serving" in r.getMessage() and "dense" in r.getMessage()
                for r in caplog.records)
 
@@ -97,10 +97,10 @@ def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config,
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # vLLM's probe only (this CPU may lack it)
     monkeypatch.setattr(vllm_config.model_config, "dtype", torch.bfloat16)
     monkeypatch.setattr(vllm_config.cache_config, "block_size", 128)
-    vllm_worker.check_engine_config(vllm_config)  # 'amx' predicted: nothing to refuse
+    checks.check_engine_config(vllm_config)  # 'amx' predicted: nothing to refuse
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")
     with pytest.raises(ValueError) as err:
-        vllm_worker.check_engine_config(vllm_config)
+        checks.check_engine_config(vllm_config)
     lines = str(err.value).splitlines()
     assert len(lines) == 2, lines
     assert lines[1].startswith("  every attention layer: CPU attention ISA 'neon'")
@@ -110,17 +110,17 @@ def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config,
 def test_register_wraps_the_engine_config_path_and_unregister_restores_it():
     from vllm.engine.arg_utils import EngineArgs
 
-    vllm_worker.unregister()
+    entry.unregister()
     original = EngineArgs.__dict__["create_engine_config"]
     try:
-        vllm_worker.register()
-        vllm_worker.register()  # idempotent
+        entry.register()
+        entry.register()  # idempotent
         wrapped = EngineArgs.__dict__["create_engine_config"]
         assert wrapped is not original and wrapped.__wrapped__ is original
     finally:
-        vllm_worker.unregister()
+        entry.unregister()
     assert EngineArgs.__dict__["create_engine_config"] is original
-    vllm_worker.register()  # leave the process as vLLM's plugin loader left it
+    entry.register()  # leave the process as vLLM's plugin loader left it
 
 
 @pytest.mark.vllm_cpu

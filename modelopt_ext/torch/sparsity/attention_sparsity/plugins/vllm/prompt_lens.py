@@ -80,7 +80,7 @@ def prompt_lens_source(runner, vllm_config=None):
         return None, "micro-batching (DBO) slices the batch; metadata rows do not start at batch row 0"
     req_states = getattr(runner, "req_states", None)
     if req_states is not None and hasattr(req_states, "prompt_len"):
-        from .vllm_compat import vllm_facts
+        from .compat import vllm_facts
 
         if "req_idx" not in vllm_facts().common_metadata_fields:
             return None, "model runner V2 of this vLLM passes no req_idx in CommonAttentionMetadata"

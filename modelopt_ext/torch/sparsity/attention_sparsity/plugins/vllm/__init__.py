@@ -1,17 +1,23 @@
 """vLLM plugin: calibrated skip-softmax sparse attention on vLLM's attention layers.
 
-This module is the plugin's public face; each concern lives in its own module:
+This package's `__init__` is the plugin's public face; each concern lives in its own module:
 
-    vllm_compat.py     what the installed vLLM has (native classes, version facts), asked once
-    vllm_kv_cache.py   zero-copy K/V views of every cache layout vLLM has used, and the K/V write
-    vllm_context.py    one engine's mode, settings and kernel, shared by its layers and builders
-    vllm_prompt_lens.py  where each request's prompt length comes from (model runner V1 / V2)
-    vllm_plan.py       the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
-    vllm_impls.py      the sparse impls (subclasses of vLLM's native impls) and their per-layer state
-    vllm_backends.py   the sparse backends and metadata builders (subclasses of vLLM's native ones)
-    vllm_install.py    install / uninstall, with every reason a layer cannot run sparse found up front
-    vllm_stats.py      realized sparsity and calibration records
-    vllm_worker.py     worker glue: install after load_model, RPCs, the vLLM general-plugin entry point
+    env.py          the environment switches (MODELOPT_EXT_SPARSE_ATTN*), read in one place
+    compat.py       what the installed vLLM has (native classes, version facts), asked once
+    kv_cache.py     zero-copy K/V views of every cache layout vLLM has used, and the K/V write
+    context.py      one engine's mode, settings and kernel, shared by its layers and builders
+    prompt_lens.py  where each request's prompt length comes from (model runner V1 / V2)
+    plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
+    impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
+    backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)
+    checks.py       every reason a layer cannot run sparse: predicted from the engine config, or per layer
+    install.py      install / uninstall: every layer checked before any changes
+    stats.py        realized sparsity and calibration records
+    worker.py       the worker side: install after load_model, the RPCs (vLLM's `worker_extension_cls`), the log
+    entry.py        the vLLM general-plugin entry point `register()` (config checks, the load_model hook)
+
+The checkpoint side (the `sparse_attention_config` block, config.json I/O, calibration records) is vLLM-free and
+lives in `attention_sparsity/checkpoint/`.
 
 Public entry points (see each docstring):
 
@@ -26,7 +32,8 @@ Public entry points (see each docstring):
 
 from __future__ import annotations
 
-from .vllm_backends import (
+from ...checkpoint.calibration_records import merge_calibration_records, sparsity_by_phase
+from .backends import (
     SPARSE_BACKENDS,
     ModelOptSparseCPUAttentionBackend,
     ModelOptSparseCPUAttentionMetadataBuilder,
@@ -35,9 +42,8 @@ from .vllm_backends import (
     ModelOptSparseFlashInferBackend,
     ModelOptSparseFlashInferMetadataBuilder,
 )
-from .vllm_calibration_records import merge_calibration_records, sparsity_by_phase
-from .vllm_compat import forward_writes_kv_cache, vllm_facts
-from .vllm_impls import (
+from .compat import forward_writes_kv_cache, vllm_facts
+from .impls import (
     _BACKEND_BY_NATIVE,
     _SPARSE_BY_NATIVE,
     _SPARSE_CLASSES,
@@ -48,10 +54,10 @@ from .vllm_impls import (
     ModelOptSparseCPUAttentionImpl,
     ModelOptSparseFlashInferImpl,
 )
-from .vllm_install import SparseAttentionInstallReport, _layers, install_sparse_attention, uninstall_sparse_attention
-from .vllm_kv_cache import _cpu_attn_kv_cache_views, _flash_attn_kv_cache_views, _flashinfer_kv_cache_views
-from .vllm_plan import PLAN_ATTR, SparsePlan
-from .vllm_stats import collect_calibration_records, get_sparsity_stats, is_sparse_layer, reset_sparsity_stats
+from .install import SparseAttentionInstallReport, _layers, install_sparse_attention, uninstall_sparse_attention
+from .kv_cache import _cpu_attn_kv_cache_views, _flash_attn_kv_cache_views, _flashinfer_kv_cache_views
+from .plan import PLAN_ATTR, SparsePlan
+from .stats import collect_calibration_records, get_sparsity_stats, is_sparse_layer, reset_sparsity_stats
 
 __all__ = [
     "CPUAttentionBackendImpl",

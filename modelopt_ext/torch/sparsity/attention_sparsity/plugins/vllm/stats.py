@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .vllm_calibration_records import make_record
-from .vllm_impls import layer_state
-from .vllm_install import _layers
+from ...checkpoint.calibration_records import make_record
+from .impls import layer_state
+from .install import _layers
 
 
 def _sparse_layers(model_or_layers):

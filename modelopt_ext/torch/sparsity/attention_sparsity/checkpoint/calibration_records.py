@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic_io import write_bytes_atomic
+from .atomic_io import write_bytes_atomic
 
 RECORD_KEYS = ("layers", "scale_factors", "kv_lens", "is_decode", "counts")
 WIRE_FORMAT = "modelopt_ext.vllm_calibration_record/1"

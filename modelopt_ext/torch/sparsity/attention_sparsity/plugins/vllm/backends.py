@@ -3,7 +3,7 @@
 vLLM asks each attention layer for its backend class (`layer.get_attn_backend()`, i.e. `layer.attn_backend`) when
 the engine builds its KV cache: the backend's `get_builder_cls()` gives the metadata builder of the layer's group,
 the builders' `get_cudagraph_support()` decide the CUDA-graph mode, and `get_supported_kernel_block_sizes()` the
-page size. Install (plugins/vllm_install.py) sets a layer's `attn_backend` to the sparse backend of its native one
+page size. Install (plugins/vllm/install.py) sets a layer's `attn_backend` to the sparse backend of its native one
 and its `impl` to the sparse impl, right after the model loads and before the KV cache exists:
 
     FlashInferBackend      -> ModelOptSparseFlashInferBackend      (builder ModelOptSparseFlashInferMetadataBuilder)
@@ -13,7 +13,7 @@ and its `impl` to the sparse impl, right after the model loads and before the KV
 (`register_backend` would override a backend for every engine of the process, and vLLM caches its selection; the
 per-layer attribute is what vLLM reads after construction, per engine, and uninstall restores it.)
 
-The builders run the native `build` unchanged and attach the step's `SparsePlan` (plugins/vllm_plan.py); they plan
+The builders run the native `build` unchanged and attach the step's `SparsePlan` (plugins/vllm/plan.py); they plan
 from the engine context of their layers, never from a process-wide registry. They declare:
 
 - CUDA graphs: `AttentionCGSupport.NEVER` for now. vLLM then resolves its default `FULL_AND_PIECEWISE` to
@@ -33,16 +33,16 @@ import logging
 
 import torch
 
-from .vllm_compat import native_kernel_block_sizes, vllm_facts
-from .vllm_impls import (
+from .compat import native_kernel_block_sizes, vllm_facts
+from .impls import (
     _STATE_ATTR,
     ModelOptSparseAttentionImpl,
     ModelOptSparseCPUAttentionImpl,
     ModelOptSparseFlashInferImpl,
     layer_state,
 )
-from .vllm_kv_cache import CPU_ISA_FOR_SPARSE, cpu_isa_problem
-from .vllm_plan import PLAN_ATTR, SparsePlanner
+from .kv_cache import CPU_ISA_FOR_SPARSE, cpu_isa_problem
+from .plan import PLAN_ATTR, SparsePlanner
 
 logger = logging.getLogger(__name__)
 

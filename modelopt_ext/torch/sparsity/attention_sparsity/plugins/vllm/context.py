@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .sparse_attn_config import PhaseCalibration, SparseAttentionSettings
+from ...checkpoint.config_io import PhaseCalibration, SparseAttentionSettings
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """The per-step sparse plan: what every sparse layer of a step needs, prepared once by the metadata builder.
 
-A sparse backend's metadata builder (plugins/vllm_backends.py) owns one `SparsePlanner` and, in `build`, attaches a
+A sparse backend's metadata builder (plugins/vllm/backends.py) owns one `SparsePlanner` and, in `build`, attaches a
 `SparsePlan` to the metadata it returns (attribute `PLAN_ATTR`). Each layer's forward then only runs the kernel
 with the plan's tensors: no host synchronisation and no per-layer planning in `forward`.
 
 What the kernel gets per sequence (docs/skip_softmax.md, version 2):
 
-- `prompt_lens` [B] int32: the request's prompt length (plugins/vllm_prompt_lens.py says where it comes from; the
+- `prompt_lens` [B] int32: the request's prompt length (plugins/vllm/prompt_lens.py says where it comes from; the
   kernel's default rule where vLLM does not expose it). A row at `pos < prompt_len` is a prefill row.
 - serving: `log_scale_factors` [B, 2] float32 = (c_prefill, c_decode), c = ln a + b·target (-inf: dense phase), and
   `length_exponents` [B, 2] = (γ_prefill, γ_decode); ln λ_row = c - γ·ln(n).

@@ -1,0 +1,219 @@
+"""Every reason a layer cannot run sparse, found before anything changes: from the engine config alone (before
+any weight loads) where it can be predicted, per layer at install otherwise.
+
+- `check_checkpoint_config(model_config)`: the checkpoint's `sparse_attention_config`, validated (one line naming
+  the field); `check_engine_config(vllm_config)`: what the engine config says no layer can run (a CPU attention ISA
+  whose cache layout the kernels do not read), one line per reason.
+- `_unsupported(layer, impl, kernel_backend, config)`: each reason one layer cannot run sparse; install reports
+  them all at once, one line per reason (`refusal_message`).
+- `resolve_kernel_backend(backend, config)`: the kernel backend "auto" stands for on this engine, decided once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
+from .backends import kernel_page_problem, native_backend_of
+from .compat import cache_layout_problem, cpu_attn_isa, vllm_facts
+from .env import ENV_ENABLE, sparse_attention_enabled
+from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
+from .kv_cache import cpu_isa_problem
+
+logger = logging.getLogger(__name__)
+
+KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
+_UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+
+
+def _current_vllm_config(vllm_config):
+    if vllm_config is not None:
+        return vllm_config
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover
+        return None
+    return get_current_vllm_config_or_none()
+
+
+def resolve_kernel_backend(backend: str, config) -> str:
+    """"auto" -> "triton" where CUDA serves, the compiled CPU kernel on the CPU (the reference where it cannot
+    load or cover the dtype, with the reason logged); decided once, so no call falls back silently."""
+    if backend != "auto":
+        if backend == "triton":
+            from modelopt_ext.torch.kernels.sparsity.attention import triton_available
+
+            if not triton_available():
+                raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
+        return backend
+    device_type = str(getattr(getattr(config, "device_config", None), "device_type", "") or "")
+    if device_type == "cpu" or not torch.cuda.is_available():
+        from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+
+        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+        reason = cpu_kernel.unavailable_reason()
+        if reason is None and isinstance(dtype, torch.dtype) and dtype not in cpu_kernel.CPU_KERNEL_DTYPES:
+            reason = f"the compiled CPU kernel does not cover {dtype}"
+        if reason is not None:
+            logger.warning("sparse attention: using the PyTorch reference on the CPU (%s)", reason)
+            return "torch"
+        return "cpu"
+    from modelopt_ext.torch.kernels.sparsity.attention import triton_available
+
+    if not triton_available():
+        raise ValueError(
+            "sparse attention on CUDA needs triton (the PyTorch reference would serve every step with host syncs); "
+            "install triton, or set MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch to accept the slow reference"
+        )
+    return "triton"
+
+
+def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
+    """Every reason this layer cannot run sparse attention (empty when it can)."""
+    reasons = []
+    native = _native_impl_cls(impl)
+    if native not in _SPARSE_BY_NATIVE:
+        if "MLA" in type(layer).__name__ or "MLA" in native.__name__:
+            reasons.append(f"MLA attention ({native.__name__}) is not supported")
+        else:
+            supported = ", ".join(c.__name__ for c in _SPARSE_BY_NATIVE)
+            reasons.append(f"impl {native.__module__}.{native.__name__} is not supported (supported: {supported})")
+        return reasons
+    kind = vllm_facts().kind_of_impl(native)
+    attn_type = str(getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder")))
+    if attn_type.lower().rsplit(".", 1)[-1] != "decoder":
+        reasons.append(f"attention type {attn_type!r} (encoder / cross attention) is not supported")
+    if getattr(impl, "sinks", None) is not None or getattr(layer, "has_sink", False):
+        reasons.append("attention sinks are not supported")
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)) or getattr(layer, "sliding_window", None) is not None:
+        reasons.append(f"sliding window {window} is not supported")
+    if getattr(impl, "alibi_slopes", None) is not None:
+        reasons.append("ALiBi is not supported")
+    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
+        reasons.append(f"logit soft-cap {impl.logits_soft_cap} is not supported")
+    dtypes = {
+        getattr(impl, "cache_dtype", None),
+        getattr(impl, "kv_cache_dtype", None),
+        getattr(layer, "kv_cache_dtype", None),
+    }
+    quantized = sorted(str(d) for d in dtypes if isinstance(d, str) and d not in _UNQUANTIZED_KV_DTYPES)
+    if quantized:
+        reasons.append(f"quantized KV cache {quantized} (FP8/NVFP4) is not supported; use kv_cache_dtype='auto'")
+    head_size = getattr(impl, "head_size", None)
+    head_size_v = getattr(layer, "head_size_v", head_size)
+    if head_size_v != head_size:
+        reasons.append(f"V head size {head_size_v} != K head size {head_size} is not supported")
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        reasons.append("decode context parallelism (DCP) is not supported")
+    reasons += _kernel_problems(head_size, kernel_backend, config)
+    backend_cls = _native_backend_cls(layer, native)
+    layout = cache_layout_problem(kind, backend_cls, head_size)
+    if layout is not None:
+        reasons.append(layout)
+    if kind == "cpu_attn":
+        problem = cpu_isa_problem(getattr(layer, "isa", None) or _predicted_cpu_isa(config, head_size))
+        if problem is not None:
+            reasons.append(problem)
+    return reasons
+
+
+def _kernel_problems(head_size, kernel_backend: str, config) -> list[str]:
+    """Head size, dtype and (when the user fixed it) page size the chosen kernel backend does not cover."""
+    if not isinstance(head_size, int) or head_size <= 0:
+        return [f"head size {head_size} is not supported"]
+    if kernel_backend != "triton":
+        return []
+    dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float16
+    block = getattr(getattr(config, "cache_config", None), "block_size", None)
+    problem = kernel_page_problem("triton", block if isinstance(block, int) else 16, head_size, dtype)
+    if problem is None:
+        return []
+    return [f"{problem} (or serve with MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch; --block-size 16 covers the page)"]
+
+
+def _name_list(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+
+
+def refusal_message(head: str, problems) -> str:
+    """`head` and one line per reason ("30 layers (a, b, ..., z): reason"), from (layer name, reasons) pairs."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reasons in problems:
+        for reason in reasons:
+            by_reason.setdefault(reason, []).append(name)
+    lines = [f"  {len(names)} layer{'s' if len(names) > 1 else ''} ({_name_list(names)}): {reason}"
+             for reason, names in by_reason.items()]
+    return "\n".join([head, *lines])
+
+
+def predicted_startup_problems(vllm_config) -> list[str]:
+    """What stops every attention layer of this engine from running sparse, predicted from the engine config
+    alone (no model, no weights): the CPU attention ISA from dtype, page size and head size."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    model_config = getattr(vllm_config, "model_config", None)
+    if device != "cpu" or model_config is None:
+        return []
+    try:
+        head_size = int(model_config.get_head_size())
+    except Exception:  # noqa: BLE001 - models without a uniform head size: install checks each layer
+        return []
+    problem = cpu_isa_problem(_predicted_cpu_isa(vllm_config, head_size))
+    return [problem] if problem is not None else []
+
+
+def _predicted_cpu_isa(config, head_size) -> str | None:
+    model, cache = getattr(config, "model_config", None), getattr(config, "cache_config", None)
+    dtype, block = getattr(model, "dtype", None), getattr(cache, "block_size", None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(block, int):
+        return None
+    return cpu_attn_isa(dtype, block, head_size, getattr(cache, "cache_dtype", None))
+
+
+def checkpoint_settings(worker) -> SparseAttentionSettings | None:
+    """The checkpoint's `sparse_attention_config` as settings (None: the checkpoint carries none)."""
+    return settings_from_hf_config(worker.vllm_config.model_config.hf_config)
+
+
+def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
+    """Validate the served checkpoint's `sparse_attention_config` (from the already loaded hf_config).
+
+    Returns the settings (None: no block, or MODELOPT_EXT_SPARSE_ATTN=0). A malformed block raises
+    SparseAttentionConfigError with a one-line message that starts with the offending field.
+    """
+    model = getattr(model_config, "model", "?")
+    if not sparse_attention_enabled():
+        logger.info("%s=0: serving %s with dense attention (sparse_attention_config not applied)", ENV_ENABLE, model)
+        return None
+    try:
+        return settings_from_hf_config(model_config.hf_config)
+    except SparseAttentionConfigError as exc:
+        raise SparseAttentionConfigError(
+            f"{exc} [in {model}/config.json: fix the block (or re-run calibrate_sparse_attn.py "
+            f"--update_checkpoint_config), or set {ENV_ENABLE}=0 to serve dense]"
+        ) from None
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse, before any weight loads, what the engine config already says no layer can run sparse (e.g. a CPU
+    attention ISA whose cache layout the kernels do not read). One line per reason; the fix on each line."""
+    problems = predicted_startup_problems(vllm_config)
+    if problems:
+        model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+        raise ValueError("\n".join([f"sparse attention cannot serve {model} on this engine:",
+                                    *(f"  every attention layer: {p}; or set {ENV_ENABLE}=0 to serve dense"
+                                      for p in problems)]))
+
+
+def _native_impl_cls(impl) -> type:
+    return type(impl)._modelopt_native if isinstance(impl, _SPARSE_CLASSES) else type(impl)
+
+
+def _native_backend_cls(layer, native_impl):
+    backend = getattr(layer, "attn_backend", None)
+    return native_backend_of(backend) if backend is not None else _BACKEND_BY_NATIVE.get(native_impl)

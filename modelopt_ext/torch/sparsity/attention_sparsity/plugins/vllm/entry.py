@@ -1,0 +1,177 @@
+"""The vLLM general-plugin entry point (`vllm.general_plugins` in pyproject.toml): `register()` runs in every vLLM
+process, so plain `vllm serve <ckpt>` of a checkpoint carrying `sparse_attention_config` serves sparse with vLLM's
+default options. `MODELOPT_EXT_SPARSE_ATTN=0` turns that off: dense, and the log says so.
+
+When things happen:
+
+1. The engine's config is created (API-server process, seconds after start, no weights): the checkpoint's
+   `sparse_attention_config` is validated from `model_config.hf_config` and what the engine config already says no
+   layer can run sparse is refused (plugins/vllm/checks.py); a mistake stops start-up there, one line per reason.
+   A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`.
+2. Each worker, before `load_model` loads weights: the same checks (engines created without EngineArgs).
+3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm/install.py) gives every covered
+   layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
+
+vLLM has no extension point for 1 (after its config exists) nor for 3 (after the weights load): `register()` wraps
+`EngineArgs.create_engine_config` and `Worker.load_model` (and `execute_model`, for the periodic sparsity log line);
+docs/design.md lists these patches and the vLLM releases they are checked on. `unregister()` undoes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .checks import check_checkpoint_config, check_engine_config
+from .env import sparse_attention_enabled
+from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
+
+logger = logging.getLogger(__name__)
+
+_PATCHED = "_modelopt_ext_patched"
+
+
+
+_CONFIG_CHECK = "_modelopt_ext_config_check"
+
+
+
+def route_logs_through_vllm() -> None:
+    """Show this package's log lines in vLLM's processes, with vLLM's handlers, format and level.
+
+    vLLM configures only its own `vllm` logger; without this, our INFO lines (which layers run sparse, the
+    periodic realized sparsity) would be dropped in worker processes. Leaves any user-configured handler alone.
+    """
+    ours = logging.getLogger("modelopt_ext")
+    vllm_logger = logging.getLogger("vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level or logging.INFO)
+    ours.propagate = False
+
+
+
+def _patch_worker_class(cls) -> None:
+    """Install after vLLM's own worker loads the model, and log realized sparsity after its steps (once per class)."""
+    if _PATCHED in cls.__dict__:
+        return
+    original_load = cls.load_model
+    original_execute = cls.execute_model
+
+    @functools.wraps(original_load)
+    def load_model(self, *args, **kwargs):
+        if getattr(self, "_modelopt_ext_loading", False):  # a patched subclass calling its patched base
+            return original_load(self, *args, **kwargs)
+        route_logs_through_vllm()
+        settings = check_checkpoint_config(self.vllm_config.model_config)  # before any weight loads
+        # A worker with the plugin's RPCs (calibration tools) prepares every layer, block or not.
+        prepare = isinstance(self, SparseAttnWorkerExtension) and sparse_attention_enabled()
+        if settings is not None or prepare:
+            check_engine_config(self.vllm_config)
+        self._modelopt_ext_loading = True
+        try:
+            result = original_load(self, *args, **kwargs)
+        finally:
+            self._modelopt_ext_loading = False
+        if settings is not None or prepare:
+            install_for_serving(self, settings, prepare_dense=prepare)
+        elif sparse_attention_enabled():
+            logger.info("checkpoint has no sparse_attention_config: serving dense attention")
+        return result
+
+    @functools.wraps(original_execute)
+    def execute_model(self, *args, **kwargs):
+        if getattr(self, "_modelopt_ext_executing", False):  # a patched subclass calling its patched base
+            return original_execute(self, *args, **kwargs)
+        self._modelopt_ext_executing = True
+        try:
+            result = original_execute(self, *args, **kwargs)
+        finally:
+            self._modelopt_ext_executing = False
+        _maybe_log_sparsity(self)
+        return result
+
+    load_model.__modelopt_original__ = original_load
+    execute_model.__modelopt_original__ = original_execute
+    cls.load_model = load_model
+    cls.execute_model = execute_model
+    setattr(cls, _PATCHED, True)
+
+
+def _unpatch_worker_class(cls) -> None:
+    if _PATCHED not in cls.__dict__:
+        return
+    cls.load_model = cls.load_model.__modelopt_original__
+    cls.execute_model = cls.execute_model.__modelopt_original__
+    delattr(cls, _PATCHED)
+
+
+
+def _wrap_engine_config_check() -> None:
+    """Check the checkpoint's block and the engine as soon as vLLM has created the engine config (process 0, no
+    weights), and give an engine that will serve sparse the plugin's worker RPCs (vLLM's `worker_extension_cls`)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.__dict__["create_engine_config"]
+    if getattr(original, _CONFIG_CHECK, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if getattr(config, "model_config", None) is not None:
+            route_logs_through_vllm()
+            if check_checkpoint_config(config.model_config) is not None:
+                check_engine_config(config)
+                parallel = config.parallel_config
+                parallel.worker_extension_cls = worker_extension_cls(parallel.worker_extension_cls or None)
+        return config
+
+    setattr(create_engine_config, _CONFIG_CHECK, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+
+def _worker_classes() -> list:
+    classes = []
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        classes.append(Worker)
+    except Exception as exc:  # pragma: no cover - depends on the vLLM build
+        logger.warning("modelopt-ext: cannot patch vLLM's Worker (%s); sparse attention needs --worker-cls", exc)
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except Exception:  # CPU worker absent or not importable on this build
+        CPUWorker = None
+    if CPUWorker is not None and ("execute_model" in CPUWorker.__dict__ or "load_model" in CPUWorker.__dict__):
+        classes.append(CPUWorker)
+    return classes
+
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (every vLLM process): check configs early, install after load_model.
+
+    The patches are always applied; MODELOPT_EXT_SPARSE_ATTN is read when each engine starts.
+    """
+    try:
+        _wrap_engine_config_check()
+    except Exception as exc:  # pragma: no cover - depends on the vLLM build
+        logger.warning("modelopt-ext: no early sparse_attention_config check (%s); workers still check it", exc)
+    for cls in _worker_classes():
+        _patch_worker_class(cls)
+
+
+
+def unregister() -> None:
+    """Undo `register()` (tests; a process that wants vLLM untouched again)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    current = EngineArgs.__dict__.get("create_engine_config")
+    if getattr(current, _CONFIG_CHECK, False):
+        EngineArgs.create_engine_config = current.__wrapped__
+    for cls in _worker_classes():
+        _unpatch_worker_class(cls)

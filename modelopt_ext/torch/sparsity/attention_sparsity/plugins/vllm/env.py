@@ -1,0 +1,38 @@
+"""The plugin's environment switches, read in one place (each engine reads them when it starts).
+
+    MODELOPT_EXT_SPARSE_ATTN=0              serve dense: the checkpoint's block is not applied (and the log says so)
+    MODELOPT_EXT_SPARSE_ATTN_BACKEND=NAME   kernel backend: auto (default), torch, triton, cpu
+    MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY=N    log realized sparsity every N engine steps (default 256, 0: never)
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_ENABLE = "MODELOPT_EXT_SPARSE_ATTN"
+ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
+ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
+DEFAULT_LOG_EVERY = 256
+_OFF = ("0", "false", "off", "no")
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """A boolean switch: off for 0/false/off/no (any case), on for anything else, `default` when unset."""
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in _OFF
+
+
+def sparse_attention_enabled() -> bool:
+    """False when the user switched the plugin off with MODELOPT_EXT_SPARSE_ATTN=0 (or false/off/no)."""
+    return env_flag(ENV_ENABLE)
+
+
+def kernel_backend_choice() -> str:
+    return os.environ.get(ENV_BACKEND, "auto")
+
+
+def log_every() -> int:
+    try:
+        return max(0, int(os.environ.get(ENV_LOG_EVERY, DEFAULT_LOG_EVERY)))
+    except ValueError:
+        return DEFAULT_LOG_EVERY
