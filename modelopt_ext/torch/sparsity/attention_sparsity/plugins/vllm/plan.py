@@ -2,7 +2,9 @@
 
 A sparse backend's metadata builder (plugins/vllm/backends.py) owns one `SparsePlanner` and, in `build`, attaches a
 `SparsePlan` to the metadata it returns (attribute `PLAN_ATTR`). Each layer's forward then only runs the kernel
-with the plan's tensors: no host synchronisation and no per-layer planning in `forward`.
+with the plan's tensors, through the kernels' internal launch entry (`kernel_launcher`): everything a step needs is
+normalised here, once, into the form the kernels take, so `forward` does no validation, no normalisation, no host
+synchronisation and no copy of the query.
 
 What the kernel gets per sequence (docs/skip_softmax.md, version 2):
 
@@ -42,6 +44,7 @@ class SparsePlan:
     """Tensors of one step, sliced to its B sequences (views of the planner's persistent buffers)."""
 
     num_reqs: int
+    num_tokens: int  # host: the step's real query rows (vLLM's num_actual_tokens; later rows are padding)
     block_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32, new tokens included
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -54,6 +57,8 @@ class SparsePlan:
     log_scale_factors: torch.Tensor | None = None  # serve: [B, 2] float32
     length_exponents: torch.Tensor | None = None  # [B, 2] float32
     trial_log_scale_factors: torch.Tensor | None = None  # calibrate: [B, T, 2] float32
+    kernel_log_sf: torch.Tensor | None = None  # the law in the kernels' form: [B, 1, 2] (serve) or [B, T, 2]
+    calibrate: bool = False
     dense: bool = False  # serve: no row of this step can drop a tile (decided on the host)
     prompt_lens_from: str = "kernel default"  # where prompt_lens came from this step
     _record_keys: tuple | None = dataclasses.field(default=None, repr=False)
@@ -155,6 +160,7 @@ class SparsePlanner:
         max_seq_len = int(cam.max_seq_len)
         plan = SparsePlan(
             num_reqs=b,
+            num_tokens=int(cam.num_actual_tokens),
             block_table=cam.block_table_tensor[:b],
             seq_lens=seq_lens,
             query_start_loc=qsl,
@@ -175,9 +181,11 @@ class SparsePlanner:
                 # prompt's length): exact for fidelity measurements, which never preempt.
                 log_n = self.law_lens[:b].clamp(min=1).to(torch.float32).log()
                 torch.sub(self._trial_c[None], self._trial_gamma[None] * log_n[:, None, None], out=table)
-            plan.trial_log_scale_factors = table
+            plan.trial_log_scale_factors = plan.kernel_log_sf = table
+            plan.calibrate = True
         else:
             plan.log_scale_factors = self.log_scale_factors[:b]
+            plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
             plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))
         return plan
 
