@@ -9,6 +9,7 @@ addressing differs). Builder roles, CUDA graphs and prompt lengths: test_vllm_ba
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import zlib
 
@@ -288,7 +289,7 @@ def test_cpu_attention_cache_layout_gate(vllm_config):
         return
     refused = r"CPU attention cache is \(2, 7, 1, 16, 32\).*only the packed.*0.25.1 and later"
     with pytest.raises(ValueError, match=refused):
-        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0), strict=True)
     assert type(layer.impl) is plug.CPUAttentionBackendImpl
 
 
@@ -337,7 +338,7 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
         neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout ('amx' is served on 'vec')
         bad.append((neon, "'neon'"))
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention([good, *(layer for layer, _ in bad)], _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([good, *(layer for layer, _ in bad)], _settings(sf_prefill=4.0), strict=True)
     msg = str(err.value)
     assert f"{len(bad)} layer(s)" in msg and good.layer_name not in msg
     for layer, words in bad:
@@ -350,7 +351,7 @@ def test_install_refusal_is_one_line_per_reason(make_layer):
     windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(5)]
     capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention([*windows, capped], _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([*windows, capped], _settings(sf_prefill=4.0), strict=True)
     lines = str(err.value).splitlines()
     assert "6 layer(s)" in lines[0] and len(lines) == 3
     window_line = next(line for line in lines if "sliding window" in line)
@@ -359,13 +360,64 @@ def test_install_refusal_is_one_line_per_reason(make_layer):
     assert f"  1 layer ({capped.layer_name}): logit soft-cap 30.0 is not supported" in lines
 
 
+def test_layers_that_cannot_run_sparse_are_kept_dense_on_their_own_backend(make_layer, caplog, monkeypatch):
+    """Default (not strict): a hybrid model's windowed and soft-capped layers keep vLLM's own backend and impl,
+    unchanged, one log line per reason; the other layers go sparse. MODELOPT_EXT_SPARSE_ATTN_STRICT=1 refuses."""
+    good = [make_layer("flash_attn", head_size=D) for _ in range(2)]
+    windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(3)]
+    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
+    dense = [*windows, capped]
+    natives = [(type(layer.impl), layer.attn_backend) for layer in dense]
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        report = plug.install_sparse_attention([*good, *dense], _settings(sf_prefill=4.0))
+    assert report.installed == [layer.layer_name for layer in good]
+    assert set(report.kept_dense) == {layer.layer_name for layer in dense}
+    assert [(type(layer.impl), layer.attn_backend) for layer in dense] == natives  # vLLM's own, unchanged
+    warning = next(r.getMessage() for r in caplog.records if "kept dense" in r.getMessage()).splitlines()
+    assert "4 of 6 attention layer(s) kept dense" in warning[0] and len(warning) == 3  # one line per reason
+    assert any(line.startswith("  3 layers (") and "sliding window" in line for line in warning)
+    assert all(layer._modelopt_dense_reasons for layer in dense)
+
+    plug.uninstall_sparse_attention(good)
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", "1")
+    with pytest.raises(ValueError, match=r"cannot be installed on 4 layer\(s\); nothing was changed"):
+        plug.install_sparse_attention([*good, *dense], _settings(sf_prefill=4.0))
+    assert not any(isinstance(layer.impl, plug._SPARSE_CLASSES) for layer in [*good, *dense])
+
+
+def test_an_ignore_pattern_that_matches_no_layer_is_a_warning_with_the_nearest_names(make_layer, caplog):
+    layer = make_layer("flash_attn", head_size=D)
+    prefix = layer.layer_name.rsplit(".", 1)[0]  # HF-style module name: matches by prefix, no warning
+    settings = SparseAttentionSettings(prefill=PhaseCalibration(a=4.0, b=0.0, target_sparsity=0.5), decode=None,
+                                       disabled_layers=(prefix, "model.layer.0.self_atn"))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        report = plug.install_sparse_attention([layer], settings)
+    assert report.disabled == [layer.layer_name]
+    warnings = [r.getMessage() for r in caplog.records if "matches no attention layer" in r.getMessage()]
+    assert len(warnings) == 1 and "'model.layer.0.self_atn'" in warnings[0] and layer.layer_name in warnings[0]
+
+
+def test_a_backend_vllm_subclassed_for_a_layer_is_never_replaced(make_layer):
+    """vLLM gives chunk-local, sink and encoder-only layers a backend subclass with their own builder; their impl
+    is the plain one, so only the backend class tells. Such a layer keeps its backend (dense), with the reason."""
+    subclass_attention_backend = pytest.importorskip("vllm.v1.attention.backend").subclass_attention_backend
+    layer, plain = make_layer("flash_attn", head_size=D), make_layer("flash_attn", head_size=D)
+    native_builder = layer.attn_backend.get_builder_cls()
+    chunked = subclass_attention_backend("ChunkedLocalAttention_", layer.attn_backend, native_builder)
+    layer.attn_backend = chunked
+    report = plug.install_sparse_attention([layer, plain], _settings(sf_prefill=4.0), strict=False)
+    assert report.installed == [plain.layer_name] and layer.attn_backend is chunked
+    assert "own backend ChunkedLocalAttention_FlashAttentionBackend" in report.kept_dense[layer.layer_name][0]
+
+
 def test_install_rejects_sinks_encoder_and_odd_head_sizes(make_layer):
     sinks = make_layer("flash_attn", head_size=D)
     sinks.impl.sinks = torch.zeros(4)
     enc = make_layer("cpu_attn", head_size=D, attn_type="encoder_only")
     odd = make_layer("flash_attn", head_size=8)
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention([sinks, enc, odd], _settings(sf_prefill=4.0), backend="triton")
+        plug.install_sparse_attention([sinks, enc, odd], _settings(sf_prefill=4.0), backend="triton", strict=True)
     msg = str(err.value)
     assert "sinks" in msg and "encoder" in msg and "D=8" in msg and "MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch" in msg
 
@@ -396,7 +448,7 @@ def test_layer_whose_kv_cache_vllm_built_natively_is_refused(make_layer):
     layer = make_layer("flash_attn", head_size=D)
     attach_kv_cache(layer, make_cache(cache_kind_for("flash_attn"), 4, PAGE, 2, D).kv_cache)
     with pytest.raises(ValueError, match="already built this layer's KV cache.*install right after the model loads"):
-        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0), strict=True)
     assert type(layer.impl).__name__ == "FlashAttentionImpl"
 
 
@@ -405,7 +457,7 @@ def test_unknown_declared_cache_layout_is_refused_at_install(make_layer, monkeyp
     odd = type("OddBackend", (layer.attn_backend,), {"get_kv_cache_shape": staticmethod(lambda *a, **k: (3, 7, 5))})
     monkeypatch.setattr(layer, "attn_backend", odd)
     with pytest.raises(ValueError, match=r"OddBackend declares a KV cache of shape \(3, 7, 5\)"):
-        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0))
+        plug.install_sparse_attention([layer], _settings(sf_prefill=4.0), strict=True)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -86,9 +86,10 @@ def test_switched_off_serves_dense_and_says_so(tmp_path, monkeypatch, caplog):
                for r in caplog.records)
 
 
-def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config, monkeypatch):
-    """What the engine config predicts (CPU attention ISA from dtype, page size, head size) is refused there, one
-    line per reason; 'amx' (bf16 on AMX CPUs) is not refused: the sparse builder serves its layers on 'vec'."""
+def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config, monkeypatch, caplog):
+    """What the engine config predicts (CPU attention ISA from dtype, page size, head size) is found there, one
+    line per reason: said once (dense serving), or refused in strict mode; 'amx' (bf16 on AMX CPUs) is neither:
+    the sparse builder serves its layers on 'vec'."""
     import torch
     from vllm.v1.attention.backends import cpu_attn
 
@@ -99,6 +100,11 @@ def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config,
     monkeypatch.setattr(vllm_config.cache_config, "block_size", 128)
     checks.check_engine_config(vllm_config)  # 'amx' predicted: nothing to refuse
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        checks.check_engine_config(vllm_config)  # not strict: said once, the engine serves dense
+    assert any("no attention layer" in r.getMessage() and "'neon'" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", "1")
     with pytest.raises(ValueError) as err:
         checks.check_engine_config(vllm_config)
     lines = str(err.value).splitlines()

@@ -18,7 +18,7 @@ import torch
 from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
 from .backends import kernel_page_problem, native_backend_of
 from .compat import cache_layout_problem, cpu_attn_isa, vllm_facts
-from .env import ENV_ENABLE, sparse_attention_enabled
+from .env import ENV_ENABLE, sparse_attention_enabled, strict_mode
 from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
 from .kv_cache import cpu_isa_problem
 
@@ -111,6 +111,9 @@ def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
     if getattr(impl, "dcp_world_size", 1) > 1:
         reasons.append("decode context parallelism (DCP) is not supported")
     reasons += _kernel_problems(head_size, kernel_backend, config)
+    subclass = _vllm_backend_subclass(layer, native)
+    if subclass is not None:
+        reasons.append(subclass)
     backend_cls = _native_backend_cls(layer, native)
     layout = cache_layout_problem(kind, backend_cls, head_size)
     if layout is not None:
@@ -120,6 +123,20 @@ def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
         if problem is not None:
             reasons.append(problem)
     return reasons
+
+
+def _vllm_backend_subclass(layer, native_impl) -> str | None:
+    """Why a layer whose backend vLLM made for it must keep it: vLLM subclasses a backend for layers with their own
+    metadata builder and masks (`subclass_attention_backend`: chunk-local attention of Llama 4, static sinks,
+    encoder-only and prefix-LM layers) while the impl stays the plain one, so only the backend class tells."""
+    backend = getattr(layer, "attn_backend", None)
+    plain = _BACKEND_BY_NATIVE.get(native_impl)
+    if backend is None or plain is None or backend is plain or getattr(backend, "_modelopt_native_backend", None):
+        return None
+    if not (isinstance(backend, type) and issubclass(backend, plain)):
+        return None  # not derived from the plain backend (e.g. an older release's own class): judged by the impl
+    return (f"vLLM gave this layer its own backend {backend.__name__} (derived from {plain.__name__}, with its own "
+            "metadata builder and masks), which the sparse backend would replace")
 
 
 def _kernel_problems(head_size, kernel_backend: str, config) -> list[str]:
@@ -200,14 +217,19 @@ def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
 
 
 def check_engine_config(vllm_config) -> None:
-    """Refuse, before any weight loads, what the engine config already says no layer can run sparse (e.g. a CPU
-    attention ISA whose cache layout the kernels do not read). One line per reason; the fix on each line."""
+    """What the engine config already says no layer can run sparse (e.g. a CPU attention ISA whose cache layout the
+    kernels do not read), before any weight loads, one line per reason: an error in strict mode
+    (MODELOPT_EXT_SPARSE_ATTN_STRICT=1), else said once, and the engine serves dense."""
     problems = predicted_startup_problems(vllm_config)
-    if problems:
-        model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+    if not problems:
+        return
+    model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+    if strict_mode():
         raise ValueError("\n".join([f"sparse attention cannot serve {model} on this engine:",
                                     *(f"  every attention layer: {p}; or set {ENV_ENABLE}=0 to serve dense"
                                       for p in problems)]))
+    logger.warning("\n".join([f"sparse attention: no attention layer of {model} can run sparse on this engine; "
+                              "serving dense:", *(f"  every attention layer: {p}" for p in problems)]))
 
 
 def _native_impl_cls(impl) -> type:

@@ -3,6 +3,7 @@
     MODELOPT_EXT_SPARSE_ATTN=0              serve dense: the checkpoint's block is not applied (and the log says so)
     MODELOPT_EXT_SPARSE_ATTN_BACKEND=NAME   kernel backend: auto (default), torch, triton, cpu
     MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY=N    log realized sparsity every N engine steps (default 256, 0: never)
+    MODELOPT_EXT_SPARSE_ATTN_STRICT=1       all or nothing: a layer that cannot run sparse is an error, not kept dense
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 ENV_ENABLE = "MODELOPT_EXT_SPARSE_ATTN"
 ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
 ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
+ENV_STRICT = "MODELOPT_EXT_SPARSE_ATTN_STRICT"
 DEFAULT_LOG_EVERY = 256
 _OFF = ("0", "false", "off", "no")
 
@@ -36,3 +38,8 @@ def log_every() -> int:
         return max(0, int(os.environ.get(ENV_LOG_EVERY, DEFAULT_LOG_EVERY)))
     except ValueError:
         return DEFAULT_LOG_EVERY
+
+
+def strict_mode() -> bool:
+    """True when the user asked for all or nothing (MODELOPT_EXT_SPARSE_ATTN_STRICT=1): no layer is kept dense."""
+    return env_flag(ENV_STRICT, default=False)

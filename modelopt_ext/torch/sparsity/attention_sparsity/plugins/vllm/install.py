@@ -23,6 +23,7 @@ False), so no forward ever meets an output scale.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import logging
 import math
@@ -47,11 +48,15 @@ from .compat import (
     vllm_facts,
 )
 from .context import MODES, SparseAttentionContext
+from .env import ENV_STRICT, strict_mode
 from .impls import _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
 from .kv_cache import native_flash_cache_write_op
 from .prompt_lens import prompt_lens_source
 
 logger = logging.getLogger(__name__)
+
+DENSE_REASONS_ATTR = "_modelopt_dense_reasons"
+"""Set on a vLLM attention layer that runs dense on its own backend: why (what `sparse_attn_status` reports)."""
 
 
 @dataclass
@@ -65,6 +70,7 @@ class SparseAttentionInstallReport:
     disabled: list[str] = field(default_factory=list)  # settings.disabled_layers: native impl and backend
     restored: list[str] = field(default_factory=list)  # of `disabled`: were sparse, got their native impl back
     native_impls: dict[str, str] = field(default_factory=dict)  # covered layers -> native impl class name
+    kept_dense: dict[str, list[str]] = field(default_factory=dict)  # layers that cannot run sparse -> the reasons
     kernel_backend: str = ""
     prompt_lens: str = ""  # where the per-request prompt lengths come from (or why the kernel default applies)
 
@@ -116,10 +122,23 @@ def _disabled(name: str, settings: SparseAttentionSettings | None) -> bool:
     """Whether `ignore` keeps this layer dense. HF exports name the attention module (`model.layers.1.self_attn`)
     while vLLM names its layer inside it (`model.layers.1.self_attn.attn`), so a name also matches by prefix."""
     patterns = settings.disabled_layers if settings is not None else ()
-    return any(
-        name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*")
-        for p in patterns
-    )
+    return any(_ignore_matches(name, p) for p in patterns)
+
+
+def _ignore_matches(name: str, pattern: str) -> bool:
+    return (name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
+            or fnmatch.fnmatchcase(name, pattern + ".*"))  # fmt: skip
+
+
+def _warn_unmatched_ignores(settings: SparseAttentionSettings | None, names: list[str]) -> None:
+    """An `ignore` pattern that matches no vLLM layer would leave the layer it meant sparse: say so, with the
+    nearest vLLM layer names (HF-style names match vLLM's by prefix; other spellings do not)."""
+    for pattern in settings.disabled_layers if settings is not None else ():
+        if not any(_ignore_matches(name, pattern) for name in names):
+            near = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
+            logger.warning("sparse attention: ignore pattern %r matches no attention layer of this engine, so "
+                           "nothing is kept dense for it; nearest vLLM layer names: %s", pattern,
+                           ", ".join(near) or "-")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,6 +189,7 @@ def install_sparse_attention(
     track_sparsity: bool = True,
     vllm_config=None,
     model_runner=None,
+    strict: bool | None = None,
 ) -> SparseAttentionInstallReport:
     """Give each vLLM attention layer the sparse backend and impl of its native ones.
 
@@ -193,7 +213,12 @@ def install_sparse_attention(
         model_runner: the worker's model runner: where each request's prompt length comes from
             (plugins/vllm/prompt_lens.py). Without it the kernel's default rule applies.
 
-    Every layer is validated before any is changed; one ValueError lists every offending layer. Installing
+        strict: True: a layer that cannot run sparse is an error (one ValueError lists every offending layer,
+            one line per reason, and nothing changes); False: such layers are kept dense on vLLM's own backend and
+            impl, unchanged, with one log line per reason (`report.kept_dense`). Default:
+            MODELOPT_EXT_SPARSE_ATTN_STRICT.
+
+    Every layer is validated before any is changed. Installing
     again with the same arguments changes nothing; with other settings or mode it reconfigures the engine's
     sparse layers in place (records and counters are kept only when nothing changed).
     """
@@ -247,9 +272,26 @@ def install_sparse_attention(
             problems.append((name, reasons))
         else:
             targets.append((name, layer))
-    if problems:
+    _warn_unmatched_ignores(settings, [name for name, _ in layers])
+    strict = strict_mode() if strict is None else bool(strict)
+    if problems and strict:
         raise ValueError(refusal_message(f"sparse attention cannot be installed on {len(problems)} layer(s); "
                                          "nothing was changed:", problems))
+    for name, reasons in problems:
+        report.kept_dense[name] = reasons
+    if problems:
+        logger.warning(refusal_message(
+            f"sparse attention: {len(problems)} of {len(layers)} attention layer(s) kept dense on vLLM's own backend "
+            f"({ENV_STRICT}=1 makes this an error):", problems))
+    for name, layer in layers:
+        if _disabled(name, settings):
+            setattr(layer, DENSE_REASONS_ATTR, ("kept dense by the checkpoint's ignore list",))
+        elif name in report.kept_dense:
+            setattr(layer, DENSE_REASONS_ATTR, tuple(report.kept_dense[name]))
+        elif hasattr(layer, DENSE_REASONS_ATTR):
+            delattr(layer, DENSE_REASONS_ATTR)
+    if problems and not targets:
+        logger.warning("sparse attention: no attention layer of this model can run sparse; serving dense")
 
     # One context per engine: reuse (and reconfigure in place) the one the covered layers already share.
     existing = {id(s.context): s.context for _, layer in targets if (s := layer_state(layer)) is not None}
@@ -267,8 +309,8 @@ def install_sparse_attention(
                               else f"kernel default ({context.prompt_lens_reason})")
 
     for name, layer in layers:
-        if name in report.disabled and isinstance(layer.impl, _SPARSE_CLASSES):
-            _restore_native(layer)  # the ignore list wins over an earlier install
+        if (name in report.disabled or name in report.kept_dense) and isinstance(layer.impl, _SPARSE_CLASSES):
+            _restore_native(layer)  # the ignore list (or a reason found now) wins over an earlier install
             report.restored.append(name)
     for name, layer in targets:
         impl = layer.impl
@@ -315,13 +357,14 @@ def install_sparse_attention(
             if note:
                 logger.warning("sparse attention: %s", note)
     logger.info(
-        "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled (%d restored); "
-        "prompt lengths: %s",
+        "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled, %d kept dense "
+        "(%d restored); prompt lengths: %s",
         context.describe(),
         len(report.installed),
         len(report.unchanged),
         len(report.reconfigured),
         len(report.disabled),
+        len(report.kept_dense),
         len(report.restored),
         report.prompt_lens,
     )

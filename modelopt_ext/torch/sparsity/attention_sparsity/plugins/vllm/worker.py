@@ -18,6 +18,7 @@ import logging
 from ...checkpoint.config_io import SparseAttentionSettings, parse_sparse_attention_config
 from .checks import checkpoint_settings
 from .env import kernel_backend_choice, log_every, sparse_attention_enabled
+from .install import DENSE_REASONS_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def install_for_serving(worker, settings: SparseAttentionSettings | None = None,
         "prompt lengths: %s",
         len(report.sparse),
         ", ".join(backends) or "-",
-        len(report.disabled),
+        len(report.disabled) + len(report.kept_dense),
         _describe_phase(settings.prefill),
         _describe_phase(settings.decode),
         report.prompt_lens,
@@ -142,13 +143,19 @@ class SparseAttnWorkerExtension:
 
         model = worker_model(self)
         layers = {}
+        kept_dense: dict[str, int] = {}
         for name, layer in vllm_plugin._layers(model):
-            layers[name] = {"impl": type(layer.impl).__name__, "sparse": vllm_plugin.is_sparse_layer(layer)}
+            reasons = list(getattr(layer, DENSE_REASONS_ATTR, ()))
+            layers[name] = {"impl": type(layer.impl).__name__, "sparse": vllm_plugin.is_sparse_layer(layer),
+                            "dense_reasons": reasons}  # fmt: skip
+            for reason in reasons:
+                kept_dense[reason] = kept_dense.get(reason, 0) + 1
         stats = vllm_plugin.get_sparsity_stats(model)
         return {
             "enabled": sparse_attention_enabled(),
             "layers": layers,
             "sparse_layers": sum(1 for v in layers.values() if v["sparse"]),
+            "kept_dense": kept_dense,  # reason -> number of layers it keeps dense
             "realized": summarize_stats(stats),
         }
 
