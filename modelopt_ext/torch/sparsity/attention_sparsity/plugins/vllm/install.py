@@ -222,28 +222,7 @@ def install_sparse_attention(
     again with the same arguments changes nothing; with other settings or mode it reconfigures the engine's
     sparse layers in place (records and counters are kept only when nothing changed).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
-    if settings is not None and not isinstance(settings, SparseAttentionSettings):
-        raise TypeError(f"settings must be a SparseAttentionSettings or None, got {type(settings).__name__}")
-    trials: tuple[float, ...] = ()
-    trial_laws = None
-    if mode == "calibrate":
-        if bool(calibration_scale_factors) == bool(calibration_laws):
-            raise ValueError("mode='calibrate' needs exactly one of calibration_scale_factors (threshold trials as "
-                             "scale factors) and calibration_laws")
-        if calibration_laws:
-            trial_laws = _check_trial_laws(calibration_laws)
-            trials = tuple(float(i) for i in range(len(trial_laws)))
-        else:
-            trials = tuple(float(s) for s in calibration_scale_factors)
-            if any(not (s > 0 and math.isfinite(s)) for s in trials):
-                raise ValueError(f"calibration_scale_factors must be finite and positive, got {trials}")
-    elif calibration_scale_factors or calibration_laws:
-        raise ValueError("calibration_scale_factors / calibration_laws are only used with mode='calibrate'")
-
+    trials, trial_laws = _checked_mode(mode, backend, settings, calibration_scale_factors, calibration_laws)
     layers = _layers(model_or_layers)
     if not layers:
         raise ValueError("no vLLM attention layers found (expected modules with an `impl`, e.g. vLLM's Attention)")
@@ -252,9 +231,50 @@ def install_sparse_attention(
     source, reason = prompt_lens_source(model_runner, config)
     new = SparseAttentionContext(mode, settings, kernel_backend, trials, track_sparsity, source, reason,
                                  trial_laws=trial_laws)
-
-    problems, targets, report = [], [], SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
+    report = SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
     report.prompt_lens = source.name if source is not None else f"kernel default ({reason})"
+
+    targets = _sort_layers(layers, settings, kernel_backend, config, report)
+    _warn_unmatched_ignores(settings, [name for name, _ in layers])
+    _keep_dense(layers, settings, report, strict_mode() if strict is None else bool(strict))
+    context, unchanged = _engine_context(targets, new, source, report)
+    for name, layer in layers:
+        if (name in report.disabled or name in report.kept_dense) and isinstance(layer.impl, _SPARSE_CLASSES):
+            _restore_native(layer)  # the ignore list (or a reason found now) wins over an earlier install
+            report.restored.append(name)
+    for name, layer in targets:
+        _make_sparse(name, layer, context, unchanged, report)
+    _log_install(context, settings, mode, targets, report)
+    return report
+
+
+def _checked_mode(mode, backend, settings, calibration_scale_factors, calibration_laws):
+    """(trials, trial_laws) of a valid call: the mode's arguments checked before anything else."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+    if settings is not None and not isinstance(settings, SparseAttentionSettings):
+        raise TypeError(f"settings must be a SparseAttentionSettings or None, got {type(settings).__name__}")
+    if mode != "calibrate":
+        if calibration_scale_factors or calibration_laws:
+            raise ValueError("calibration_scale_factors / calibration_laws are only used with mode='calibrate'")
+        return (), None
+    if bool(calibration_scale_factors) == bool(calibration_laws):
+        raise ValueError("mode='calibrate' needs exactly one of calibration_scale_factors (threshold trials as "
+                         "scale factors) and calibration_laws")
+    if calibration_laws:
+        trial_laws = _check_trial_laws(calibration_laws)
+        return tuple(float(i) for i in range(len(trial_laws))), trial_laws
+    trials = tuple(float(s) for s in calibration_scale_factors)
+    if any(not (s > 0 and math.isfinite(s)) for s in trials):
+        raise ValueError(f"calibration_scale_factors must be finite and positive, got {trials}")
+    return trials, None
+
+
+def _sort_layers(layers, settings, kernel_backend: str, config, report) -> list:
+    """The layers that can run sparse; the others go to `report.disabled` (ignore list) or `report.kept_dense`."""
+    targets = []
     for name, layer in layers:
         if _disabled(name, settings):
             report.disabled.append(name)
@@ -269,78 +289,85 @@ def install_sparse_attention(
                 "plugin do) or restart the engine with this configuration"
             )
         if reasons:
-            problems.append((name, reasons))
+            report.kept_dense[name] = reasons
         else:
             targets.append((name, layer))
-    _warn_unmatched_ignores(settings, [name for name, _ in layers])
-    strict = strict_mode() if strict is None else bool(strict)
+    return targets
+
+
+def _keep_dense(layers, settings, report, strict: bool) -> None:
+    """Strict: refuse every layer that cannot run sparse (nothing changed). Else say why, one line per reason, and
+    mark each dense layer with its reasons (what `sparse_attn_status` reports)."""
+    problems = list(report.kept_dense.items())
     if problems and strict:
         raise ValueError(refusal_message(f"sparse attention cannot be installed on {len(problems)} layer(s); "
                                          "nothing was changed:", problems))
-    for name, reasons in problems:
-        report.kept_dense[name] = reasons
     if problems:
         logger.warning(refusal_message(
             f"sparse attention: {len(problems)} of {len(layers)} attention layer(s) kept dense on vLLM's own backend "
             f"({ENV_STRICT}=1 makes this an error):", problems))
+        if len(problems) + len(report.disabled) == len(layers):
+            logger.warning("sparse attention: no attention layer of this model can run sparse; serving dense")
     for name, layer in layers:
-        if _disabled(name, settings):
+        if name in report.disabled:
             setattr(layer, DENSE_REASONS_ATTR, ("kept dense by the checkpoint's ignore list",))
         elif name in report.kept_dense:
             setattr(layer, DENSE_REASONS_ATTR, tuple(report.kept_dense[name]))
         elif hasattr(layer, DENSE_REASONS_ATTR):
             delattr(layer, DENSE_REASONS_ATTR)
-    if problems and not targets:
-        logger.warning("sparse attention: no attention layer of this model can run sparse; serving dense")
 
-    # One context per engine: reuse (and reconfigure in place) the one the covered layers already share.
+
+def _engine_context(targets, new: SparseAttentionContext, source, report):
+    """(context, unchanged): one context per engine; the one the covered layers already share is reused, and
+    reconfigured in place when the new call differs (its version bumps, so the builders re-plan the law)."""
     existing = {id(s.context): s.context for _, layer in targets if (s := layer_state(layer)) is not None}
-    context, unchanged_context = new, False
-    if len(existing) == 1:
-        context = next(iter(existing.values()))
-        unchanged_context = _same_config(context, new)
-        if not unchanged_context:
-            for key in ("mode", "settings", "kernel_backend", "trials", "trial_laws", "track_sparsity"):
-                setattr(context, key, getattr(new, key))
-            context.version += 1
-        if source is not None:  # a re-install without a runner keeps the prompt-length source it had
-            context.prompt_lens, context.prompt_lens_reason = source, None
-        report.prompt_lens = (context.prompt_lens.name if context.prompt_lens is not None
-                              else f"kernel default ({context.prompt_lens_reason})")
+    if len(existing) != 1:
+        return new, False
+    context = next(iter(existing.values()))
+    unchanged = _same_config(context, new)
+    if not unchanged:
+        for key in ("mode", "settings", "kernel_backend", "trials", "trial_laws", "track_sparsity"):
+            setattr(context, key, getattr(new, key))
+        context.version += 1
+    if source is not None:  # a re-install without a runner keeps the prompt-length source it had
+        context.prompt_lens, context.prompt_lens_reason = source, None
+    report.prompt_lens = (context.prompt_lens.name if context.prompt_lens is not None
+                          else f"kernel default ({context.prompt_lens_reason})")
+    return context, unchanged
 
-    for name, layer in layers:
-        if (name in report.disabled or name in report.kept_dense) and isinstance(layer.impl, _SPARSE_CLASSES):
-            _restore_native(layer)  # the ignore list (or a reason found now) wins over an earlier install
-            report.restored.append(name)
-    for name, layer in targets:
-        impl = layer.impl
-        native = _native_impl_cls(impl)
-        native_backend = _native_backend_cls(layer, native)
-        report.native_impls[name] = native.__name__
-        state = layer_state(layer)
-        if state is not None:
-            if unchanged_context and state.context is context:
-                report.unchanged.append(name)
-            else:
-                state.context, state.records, state.phase_counts = context, [], None
-                report.reconfigured.append(name)
-            continue
-        sparse = object.__new__(_SPARSE_BY_NATIVE[native])
-        sparse.__dict__.update(impl.__dict__)
-        kind = vllm_facts().kind_of_impl(native)
-        state = _LayerState(
-            layer_name=name,
-            context=context,
-            writes_in_forward=forward_writes_kv_cache(native_backend),
-            kv_first=flash_attn_kv_first(native_backend, impl.head_size) if kind == "flash_attn" else None,
-            isa=getattr(layer, "isa", None) if kind == "cpu_attn" else None,
-        )
-        state.native_backend = getattr(layer, "attn_backend", None) or native_backend
-        setattr(sparse, _STATE_ATTR, state)
-        layer.impl = sparse
-        layer.attn_backend = SPARSE_BACKENDS[kind]
-        report.installed.append(name)
 
+def _make_sparse(name: str, layer, context: SparseAttentionContext, unchanged: bool, report) -> None:
+    """Give one layer the sparse impl (cloned from the native one's state) and backend, or reconfigure it."""
+    impl = layer.impl
+    native = _native_impl_cls(impl)
+    native_backend = _native_backend_cls(layer, native)
+    report.native_impls[name] = native.__name__
+    state = layer_state(layer)
+    if state is not None:
+        if unchanged and state.context is context:
+            report.unchanged.append(name)
+        else:
+            state.context, state.records, state.phase_counts = context, [], None
+            report.reconfigured.append(name)
+        return
+    sparse = object.__new__(_SPARSE_BY_NATIVE[native])
+    sparse.__dict__.update(impl.__dict__)
+    kind = vllm_facts().kind_of_impl(native)
+    state = _LayerState(
+        layer_name=name,
+        context=context,
+        writes_in_forward=forward_writes_kv_cache(native_backend),
+        kv_first=flash_attn_kv_first(native_backend, impl.head_size) if kind == "flash_attn" else None,
+        isa=getattr(layer, "isa", None) if kind == "cpu_attn" else None,
+    )
+    state.native_backend = getattr(layer, "attn_backend", None) or native_backend
+    setattr(sparse, _STATE_ATTR, state)
+    layer.impl = sparse
+    layer.attn_backend = SPARSE_BACKENDS[kind]
+    report.installed.append(name)
+
+
+def _log_install(context: SparseAttentionContext, settings, mode: str, targets, report) -> None:
     kinds = {vllm_facts().kind_of_impl(_native_impl_cls(layer.impl)) for _, layer in targets}
     if kinds - {"cpu_attn"} and native_flash_cache_write_op() is None:
         context.log_once("torch-write", "vLLM's reshape_and_cache_flash op is absent in this process; the sparse "
@@ -359,16 +386,9 @@ def install_sparse_attention(
     logger.info(
         "sparse attention (%s): %d layer(s) installed, %d unchanged, %d reconfigured, %d disabled, %d kept dense "
         "(%d restored); prompt lengths: %s",
-        context.describe(),
-        len(report.installed),
-        len(report.unchanged),
-        len(report.reconfigured),
-        len(report.disabled),
-        len(report.kept_dense),
-        len(report.restored),
-        report.prompt_lens,
-    )
-    return report
+        context.describe(), len(report.installed), len(report.unchanged), len(report.reconfigured),
+        len(report.disabled), len(report.kept_dense), len(report.restored), report.prompt_lens,
+    )  # fmt: skip
 
 
 def uninstall_sparse_attention(model_or_layers) -> list[str]:
