@@ -265,7 +265,7 @@ def test_auto_dispatch(caplog):
         case = make_case([3], [3], dtype=dtype, seed=45)
         assert api._resolve_backend("auto", case.q, case.k_cache) == "cpu"
     case = make_case([3], [3], dtype=torch.float64, seed=46)
-    api._warn_cpu_fallback.cache_clear()
+    api._warn_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=api.__name__):
         for _ in range(3):
             assert api._resolve_backend("auto", case.q, case.k_cache) == "torch"

@@ -24,12 +24,6 @@ BACKENDS = ("auto", "torch", "triton", "cpu")
 
 @functools.cache
 def _warn_fallback(reason: str) -> None:
-    logger.warning("skip-softmax attention: the Triton kernel does not cover this input (%s); "
-                   "using the PyTorch reference", reason)
-
-
-@functools.cache
-def _warn_cpu_fallback(reason: str) -> None:
     logger.warning("skip-softmax attention: %s; using the PyTorch reference", reason)
 
 
@@ -43,27 +37,44 @@ def triton_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if q.device.type == "cpu":
-            from .cpu_kernel import unsupported_reason as cpu_reason
+def choose_backend(device_type: str, dtype=None, q=None, k_cache=None) -> tuple[str, str | None]:
+    """What backend "auto" stands for: `(backend, why the fast kernel does not serve or None)`.
 
-            reason = cpu_reason(q, k_cache)
-            if reason is not None:
-                _warn_cpu_fallback(reason)
-                return "torch"
-            return "cpu"
-        if not (q.is_cuda and triton_available()):
-            return "torch"
+    The one decision for every caller: the public entry point per input (`q`, `k_cache`), the vLLM plugin once per
+    engine (device type and model dtype). On the CPU the compiled kernel where it loads and covers the dtype, on
+    CUDA Triton where it is installed and covers the input; otherwise the PyTorch reference, with the reason.
+    """
+    if device_type == "cpu":
+        from .cpu_kernel import CPU_KERNEL_DTYPES, unavailable_reason, unsupported_reason
+
+        if q is not None:
+            reason = unsupported_reason(q, k_cache)
+        elif dtype is not None and dtype not in CPU_KERNEL_DTYPES:
+            reason = f"the compiled CPU kernel does not cover {dtype}"
+        else:
+            reason = unavailable_reason()
+        return ("torch", reason) if reason is not None else ("cpu", None)
+    if device_type != "cuda":
+        return "torch", f"no fast kernel for {device_type} tensors"
+    if not triton_available():
+        return "torch", "triton is not installed"
+    if q is not None:
         from .triton_kernel import unsupported_reason
 
         reason = unsupported_reason(q, k_cache)
         if reason is not None:
-            _warn_fallback(reason)
-            return "torch"
-        return "triton"
+            return "torch", f"the Triton kernel does not cover this input ({reason})"
+    return "triton", None
+
+
+def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        chosen, reason = choose_backend(q.device.type, q=q, k_cache=k_cache)
+        if reason is not None and (q.device.type == "cpu" or (q.is_cuda and triton_available())):
+            _warn_fallback(reason)  # once per reason; CUDA without triton and other devices fall back quietly
+        return chosen
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
     if backend == "cpu":

@@ -41,8 +41,9 @@ def _current_vllm_config(vllm_config):
 
 
 def resolve_kernel_backend(backend: str, config) -> str:
-    """"auto" -> "triton" where CUDA serves, the compiled CPU kernel on the CPU (the reference where it cannot
-    load or cover the dtype, with the reason logged); decided once, so no call falls back silently."""
+    """"auto" -> what the kernels' `choose_backend` picks for this engine's device and dtype (Triton where CUDA
+    serves, the compiled CPU kernel on the CPU, the reference where it cannot load or cover the dtype, with the
+    reason logged); decided once, so no call falls back silently."""
     if backend != "auto":
         if backend == "triton":
             from modelopt_ext.torch.kernels.sparsity.attention import triton_available
@@ -50,26 +51,20 @@ def resolve_kernel_backend(backend: str, config) -> str:
             if not triton_available():
                 raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
         return backend
+    from modelopt_ext.torch.kernels.sparsity.attention.api import choose_backend
+
     device_type = str(getattr(getattr(config, "device_config", None), "device_type", "") or "")
-    if device_type == "cpu" or not torch.cuda.is_available():
-        from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
-
-        dtype = getattr(getattr(config, "model_config", None), "dtype", None)
-        reason = cpu_kernel.unavailable_reason()
-        if reason is None and isinstance(dtype, torch.dtype) and dtype not in cpu_kernel.CPU_KERNEL_DTYPES:
-            reason = f"the compiled CPU kernel does not cover {dtype}"
-        if reason is not None:
-            logger.warning("sparse attention: using the PyTorch reference on the CPU (%s)", reason)
-            return "torch"
-        return "cpu"
-    from modelopt_ext.torch.kernels.sparsity.attention import triton_available
-
-    if not triton_available():
+    on_cpu = device_type == "cpu" or not torch.cuda.is_available()
+    dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+    chosen, reason = choose_backend("cpu" if on_cpu else "cuda", dtype if isinstance(dtype, torch.dtype) else None)
+    if reason is not None and on_cpu:
+        logger.warning("sparse attention: using the PyTorch reference on the CPU (%s)", reason)
+    elif reason is not None:
         raise ValueError(
-            "sparse attention on CUDA needs triton (the PyTorch reference would serve every step with host syncs); "
-            "install triton, or set MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch to accept the slow reference"
+            f"sparse attention on CUDA needs triton ({reason}; the PyTorch reference would serve every step with "
+            "host syncs); install triton, or set MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch to accept the slow reference"
         )
-    return "triton"
+    return chosen
 
 
 def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
