@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from ...checkpoint.constants import BLOCK_KEY
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
 from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
@@ -109,6 +110,11 @@ def _unpatch_worker_class(cls) -> None:
 
 
 
+def _carries_block(model_config) -> bool:
+    """Whether the served checkpoint's config.json has a `sparse_attention_config` block (valid or not)."""
+    return getattr(getattr(model_config, "hf_config", None), BLOCK_KEY, None) is not None
+
+
 def _wrap_engine_config_check() -> None:
     """Check the checkpoint's block and the engine as soon as vLLM has created the engine config (process 0, no
     weights), and give an engine that will serve sparse the plugin's worker RPCs (vLLM's `worker_extension_cls`)."""
@@ -125,6 +131,7 @@ def _wrap_engine_config_check() -> None:
             route_logs_through_vllm()
             if check_checkpoint_config(config.model_config) is not None:
                 check_engine_config(config)
+            if _carries_block(config.model_config):  # the status RPC answers even with MODELOPT_EXT_SPARSE_ATTN=0
                 parallel = config.parallel_config
                 parallel.worker_extension_cls = worker_extension_cls(parallel.worker_extension_cls or None)
         return config
