@@ -204,7 +204,7 @@ def _bf16_layer_output(monkeypatch, *, sparse: bool, prefix: str):
 def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch):
     """vLLM's own ISA rule with its AMX probe answered yes (this CPU may lack AMX; no AMX code runs): the group
     would be 'amx'; the sparse builder sets 'vec', vLLM's writer writes that layout, our kernel reads it in place.
-    Against float64 attention: bf16 atol 2e-2 (bf16 K/V, P rounded to bf16 by neither side, fp32 accumulation)."""
+    Against float64 attention: bf16 atol 2e-2 (bf16 queries, keys and values; fp32 accumulation)."""
     if not torch.cpu._is_amx_tile_supported():
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     if cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) != "amx":
