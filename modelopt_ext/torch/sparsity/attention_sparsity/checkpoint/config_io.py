@@ -62,9 +62,14 @@ logger = logging.getLogger(__name__)
 PRODUCER_NAME = "modelopt_ext"
 
 
+def hf_config_block(hf_config: Any) -> Any:
+    """The raw `sparse_attention_config` block of a `transformers.PretrainedConfig`-like object or dict, or None."""
+    return hf_config.get(BLOCK_KEY) if isinstance(hf_config, Mapping) else getattr(hf_config, BLOCK_KEY, None)
+
+
 def settings_from_hf_config(hf_config: Any) -> SparseAttentionSettings | None:
     """Settings from a `transformers.PretrainedConfig`-like object (vLLM's `model_config.hf_config`), or None."""
-    block = hf_config.get(BLOCK_KEY) if isinstance(hf_config, Mapping) else getattr(hf_config, BLOCK_KEY, None)
+    block = hf_config_block(hf_config)
     if block is None:
         return None
     return parse_sparse_attention_config(block)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from ...checkpoint.constants import BLOCK_KEY
+from ...checkpoint.config_io import hf_config_block
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
 from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
@@ -32,9 +32,7 @@ logger = logging.getLogger(__name__)
 _PATCHED = "_modelopt_ext_patched"
 
 
-
 _CONFIG_CHECK = "_modelopt_ext_config_check"
-
 
 
 def route_logs_through_vllm() -> None:
@@ -51,7 +49,6 @@ def route_logs_through_vllm() -> None:
         ours.addHandler(handler)
     ours.setLevel(vllm_logger.level or logging.INFO)
     ours.propagate = False
-
 
 
 def _patch_worker_class(cls) -> None:
@@ -109,10 +106,9 @@ def _unpatch_worker_class(cls) -> None:
     delattr(cls, _PATCHED)
 
 
-
 def _carries_block(model_config) -> bool:
     """Whether the served checkpoint's config.json has a `sparse_attention_config` block (valid or not)."""
-    return getattr(getattr(model_config, "hf_config", None), BLOCK_KEY, None) is not None
+    return hf_config_block(getattr(model_config, "hf_config", None)) is not None
 
 
 def _wrap_engine_config_check() -> None:
@@ -140,7 +136,6 @@ def _wrap_engine_config_check() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-
 def _worker_classes() -> list:
     classes = []
     try:
@@ -158,7 +153,6 @@ def _worker_classes() -> list:
     return classes
 
 
-
 def register() -> None:
     """vLLM general-plugin entry point (every vLLM process): check configs early, install after load_model.
 
@@ -170,7 +164,6 @@ def register() -> None:
         logger.warning("modelopt-ext: no early sparse_attention_config check (%s); workers still check it", exc)
     for cls in _worker_classes():
         _patch_worker_class(cls)
-
 
 
 def unregister() -> None:

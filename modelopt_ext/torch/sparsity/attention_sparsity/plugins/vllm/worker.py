@@ -188,8 +188,6 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-
-
 def worker_extension_cls(user: str | None = None) -> str:
     """The `worker_extension_cls` qualified name that gives vLLM's worker the plugin's RPCs, composed with the
     extension class `user` names (if any): vLLM takes one class, so ours and the user's become one subclass of both,
