@@ -172,20 +172,22 @@ def paged_skip_softmax_attention(
     return (out, counts) if want_counts else out
 
 
-def _launch_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, **kwargs):
+def _launch_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None,
+                      workspace=None, decode_only=False, **kwargs):
     return paged_skip_softmax_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
 
 
-def _launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, **kwargs):
+def _launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, workspace=None,
+                decode_only=False, **kwargs):
     from .cpu_kernel import paged_skip_softmax_attention_cpu
 
     return paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
 
 
 def _launch_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs):
-    from .triton_kernel import paged_skip_softmax_attention_triton
+    from .triton_kernel import launch_triton
 
-    return paged_skip_softmax_attention_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+    return launch_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
 
 
 _LAUNCHERS = {"torch": _launch_reference, "cpu": _launch_cpu, "triton": _launch_triton}
@@ -195,12 +197,14 @@ def kernel_launcher(backend: str):
     """The launch function of a resolved kernel backend ("torch", "triton" or "cpu"), all with one signature:
 
         launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
-               prompt_lens, calibrate, out, max_seqlen_k=None) -> counts [B, T, 2] int64, or None
+               prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False)
+            -> counts [B, T, 2] int64, or None
 
     The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
     -inf for dense phases, or None; `gamma` [B, 2] float32; int32 `prompt_lens`, `cu_seqlens_q`, `seq_lens_k` and
     `block_table`); q and out may be strided views. Nothing is checked: `paged_skip_softmax_attention` is the entry
-    that checks.
+    that checks. `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation);
+    `workspace` and `decode_only` are the Triton kernel's (`triton_kernel.launch_triton`), ignored by the others.
     """
     try:
         return _LAUNCHERS[backend]

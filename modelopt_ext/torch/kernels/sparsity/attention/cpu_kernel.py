@@ -148,19 +148,21 @@ def paged_skip_softmax_attention_cpu(
     prompt_lens: torch.Tensor,
     calibrate: bool,
     out: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Compiled CPU backend (same arguments and result as the reference backend).
 
     q [total_q, Hq, D] and the [num_blocks, page, Hkv, D] cache views may have any strides; the cache is read in
     place. `log_sf` [B, T, 2] float32 or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with
     `calibrate` the output is dense and counts cover all T trials, else T == 1 and each row's drops are applied.
+    `counts`: optional contiguous int64 [B, T, 2] buffer the kernel zeroes and fills (no allocation per call).
     Returns counts [B, T, 2] int64 or None.
     """
     op, reason = _load()
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {reason}")
-    counts = op(
+    result = op(
         q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k), float(softmax_scale),
-        log_sf, gamma, _int32(prompt_lens), bool(calibrate), out,
+        log_sf, gamma, _int32(prompt_lens), bool(calibrate), out, counts if log_sf is not None else None,
     )
-    return counts if log_sf is not None else None
+    return result if log_sf is not None else None

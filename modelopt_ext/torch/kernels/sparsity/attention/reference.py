@@ -166,14 +166,21 @@ def paged_skip_softmax_attention_reference(
     prompt_lens: torch.Tensor,
     calibrate: bool,
     out: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Reference backend of `paged_skip_softmax_attention` (arguments already validated and normalised).
 
     `log_sf` is [B, T, 2] float32 (per trial and phase; -inf = dense) or None (dense, no counts), `gamma` [B, 2]
     the length exponents and `prompt_lens` [B]: ln λ of a row follows docs/skip_softmax.md. With `calibrate` the
     output is dense and counts cover all T trials; otherwise T == 1 and each row's drops are applied.
-    Returns counts [B, T, 2] or None.
+    `counts`: optional int64 [B, T, 2] buffer to fill instead of a new tensor. Returns counts [B, T, 2] or None.
     """
+    if counts is not None and log_sf is not None:
+        counts.copy_(paged_skip_softmax_attention_reference(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
+            gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out,
+        ))  # fmt: skip
+        return counts
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch = seq_lens_k.shape[0]
     cu = cu_seqlens_q.tolist()

@@ -26,6 +26,17 @@ TILE_Q = 64
 
 assert SPLIT_TOKENS % TILE_K == 0
 
+
+def decode_workspace_numel(batch: int, num_heads: int, head_size: int, max_seqlen_k: int) -> tuple[int, int]:
+    """Elements (fp32 accumulators, fp32 max/sum pairs) of the split-K workspace a decode launch of this shape
+    needs (the Triton kernel: one slot per sequence, query head and split, the head padded to a power of two >= 16);
+    what a caller keeping a persistent workspace must provide. (1, 1) when every sequence fits one split."""
+    splits = max(1, math.ceil(max_seqlen_k / SPLIT_TOKENS))
+    if splits == 1:
+        return 1, 1
+    block_d = max(16, 1 << max(0, head_size - 1).bit_length())
+    return batch * num_heads * splits * block_d, batch * num_heads * splits * 2
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FP8_DTYPES = tuple(
     getattr(torch, name)

@@ -68,6 +68,7 @@ load so skipped tiles save the V bandwidth and the second GEMM: the ideal speedu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -305,7 +306,9 @@ def _decode_kernel(
     if (q_len != 1) | (kb_start >= n_kblocks_total):
         return
     kb_end = tl.minimum(kb_start + SPLIT_BLOCKS, n_kblocks_total)
-    n_splits = tl.cdiv(n_kblocks_total, SPLIT_BLOCKS)
+    # Clamped to the grid: a caller whose max_seqlen_k does not bound seq_lens_k gets wrong rows, never a write
+    # past the workspace (the CUDA-graph self-test relies on it to report a frozen bound instead of crashing).
+    n_splits = tl.minimum(tl.cdiv(n_kblocks_total, SPLIT_BLOCKS), max_splits)
 
     g = tl.arange(0, BLOCK_G)
     g_in = g < GROUP
@@ -394,7 +397,7 @@ def _decode_merge_kernel(
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     kv_len = tl.load(kv_lens_ptr + seq)
-    n_splits = tl.cdiv(kv_len, SPLIT_TOKENS)
+    n_splits = tl.minimum(tl.cdiv(kv_len, SPLIT_TOKENS), max_splits)  # clamped as in the decode kernel
     if (q_len != 1) | (n_splits <= 1):
         return
     offs_d = tl.arange(0, BLOCK_D)
@@ -456,6 +459,12 @@ def _check_triton_inputs(q, k_cache, log_sf, calibrate) -> None:
             raise ValueError(f"serving takes one law per sequence (T == 1), got T={log_sf.shape[1]}")
 
 
+@functools.cache
+def _placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor for pointer arguments a launch never touches (made once per device and dtype)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def paged_skip_softmax_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -471,6 +480,7 @@ def paged_skip_softmax_attention_triton(
     calibrate: bool,
     out: torch.Tensor,
     max_seqlen_k: int | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Triton backend of `paged_skip_softmax_attention` (arguments validated and normalised by the caller).
 
@@ -482,6 +492,29 @@ def paged_skip_softmax_attention_triton(
     workspace; without it the bound is `block_table.shape[1] * page_size`.
     """
     _check_triton_inputs(q, k_cache, log_sf, calibrate)
+    return launch_triton(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
+        gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k, counts=counts,
+    )  # fmt: skip
+
+
+def launch_triton(
+    q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
+    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
+):  # fmt: skip
+    """The launch without checks (the vLLM plugin checked geometry once): same arguments as
+    `paged_skip_softmax_attention_triton`, plus what makes it allocation-free and CUDA-graph safe:
+
+    - `counts`: a persistent int64 [B, T, 2] buffer, zeroed here on the device and filled (else one is allocated);
+    - `workspace`: persistent (accumulators, max/sum) fp32 tensors of at least `semantics.decode_workspace_numel`
+      elements for this launch's B, Hq, head size and `max_seqlen_k` (else allocated per call);
+    - `decode_only`: the caller knows every sequence has one new row (a uniform decode batch), so the prefill
+      grid, whose programs would all exit, is not launched.
+
+    The grids depend only on B, the heads and `max_seqlen_k` (or the block table's width), never on the lengths in
+    this step's tensors: a captured launch stays correct when lengths, block tables and λ change between replays
+    (splits past a sequence's end and sequences with `q_len != 1` exit early).
+    """
     batch = seq_lens_k.shape[0]
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -496,9 +529,12 @@ def paged_skip_softmax_attention_triton(
     else:
         mode = 2 if calibrate else 1
         n_trials = log_sf.shape[1]
-        counts = torch.zeros(batch, n_trials, 2, dtype=torch.int64, device=device)
+        if counts is None:
+            counts = torch.zeros(batch, n_trials, 2, dtype=torch.int64, device=device)
+        else:
+            counts.zero_()
         log_sf_arg = log_sf.contiguous()
-    counts_arg = counts if counts is not None else torch.zeros(1, dtype=torch.int64, device=device)
+    counts_arg = counts if counts is not None else _placeholder(device, torch.int64)
     if batch == 0 or total_q == 0:
         return counts
 
@@ -513,16 +549,17 @@ def paged_skip_softmax_attention_triton(
     common_strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0))
     law = (prompts, log_sf_arg, gamma_arg, counts_arg)
 
-    # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
-    warps, stages = _launch_params(head_dim)
-    grid = (total_q // TILE_Q + batch, num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
-        float(softmax_scale), batch, *common_strides,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=TILE_Q, BLOCK_K=TILE_K,
-        SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    if not decode_only:
+        # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
+        warps, stages = _launch_params(head_dim)
+        grid = (total_q // TILE_Q + batch, num_heads)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
+            float(softmax_scale), batch, *common_strides,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=TILE_Q, BLOCK_K=TILE_K,
+            SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
+            FP32_DOT=fp32_dot, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
 
     # Decode: (sequence, KV head, split); the number of splits is bounded without reading seq_lens_k.
     max_kv = block_table.shape[1] * page
@@ -530,10 +567,13 @@ def paged_skip_softmax_attention_triton(
         max_kv = min(max_kv, int(max_seqlen_k))
     max_splits = max(1, math.ceil(max_kv / SPLIT_TOKENS))
     if max_splits > 1:
-        ws_acc = torch.empty(batch * num_heads * max_splits * block_d, dtype=torch.float32, device=device)
-        ws_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=device)
+        if workspace is not None:
+            ws_acc, ws_ml = workspace
+        else:
+            ws_acc = torch.empty(batch * num_heads * max_splits * block_d, dtype=torch.float32, device=device)
+            ws_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=device)
     else:
-        ws_acc = ws_ml = torch.empty(1, dtype=torch.float32, device=device)
+        ws_acc = ws_ml = _placeholder(device, torch.float32)  # never read or written with one split
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law, ws_acc, ws_ml,
         float(softmax_scale), max_splits, *common_strides,

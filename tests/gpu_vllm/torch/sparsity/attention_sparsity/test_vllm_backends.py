@@ -116,29 +116,6 @@ def test_builders_declare_their_roles(kind, make_layer, vllm_config):
     assert getattr(layer, "_modelopt_sparse_builder", False)
 
 
-def test_vllm_resolves_the_graph_mode_from_the_sparse_builders():
-    """vLLM's default FULL_AND_PIECEWISE (and FULL_DECODE_ONLY) become PIECEWISE by vLLM's own resolution: attention
-    is split off the captured pieces. The sparse install never refuses a graph mode itself."""
-    from vllm.config import CompilationConfig, CUDAGraphMode
-
-    if not hasattr(CompilationConfig, "resolve_cudagraph_mode_and_sizes"):
-        pytest.skip("this vLLM resolves the graph mode inside its model runner (no CompilationConfig method)")
-    from vllm.config.compilation import CompilationMode
-
-    support = plug.ModelOptSparseFlashInferMetadataBuilder.get_cudagraph_support(None, None)
-    results = {}
-    for mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE"):
-        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode[mode])
-        setter = cc.set_splitting_ops_for_v1
-        setter(*(["naive"] if "all2all_backend" in inspect.signature(setter).parameters else []))
-        results[mode] = cc.resolve_cudagraph_mode_and_sizes(support, "ModelOptSparseFlashInferBackend")
-    assert results == {
-        "FULL_AND_PIECEWISE": CUDAGraphMode.PIECEWISE,
-        "FULL_DECODE_ONLY": CUDAGraphMode.PIECEWISE,
-        "PIECEWISE": CUDAGraphMode.PIECEWISE,
-    }
-
-
 def test_graph_mode_and_prompt_source_logged_once_per_engine(make_layer, vllm_config, caplog):
     layers = [make_layer("flash_attn", head_size=D) for _ in range(2)]
     plug.install_sparse_attention(layers, _settings(sf_prefill=8.0))

@@ -396,7 +396,13 @@ TINY_MODEL = {
 
 @functools.cache
 def engine_config():
-    """A real VllmConfig on the CPU device with a real ModelConfig (4 heads, 2 KV heads, head 32, float32)."""
+    """A real VllmConfig on the CPU device with a real ModelConfig (4 heads, 2 KV heads, head 32, float32), shared
+    by the tests of a session (its static forward context collects every test's layers)."""
+    return new_engine_config()
+
+
+def new_engine_config():
+    """A fresh engine config like `engine_config()`: one engine, whose forward context holds only its own layers."""
     import atexit
     import json
     import shutil

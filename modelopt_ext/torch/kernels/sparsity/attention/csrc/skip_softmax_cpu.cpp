@@ -303,7 +303,7 @@ struct Params {
   int kc;         // keys per K prefetch / packing block: 32, or 16 when the page is not a multiple of 32
   bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
-  int64_t* skipped;  // [B, T] (counts[..., 1] written at the end)
+  int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
 };
 
 struct Item {
@@ -405,7 +405,7 @@ class Kernel {
 
     if (p.log_sf != nullptr) {
       for (int tr = 0; tr < n_trials; ++tr) {
-        if (sc.skipped[tr] != 0) __atomic_fetch_add(p.skipped + b * n_trials + tr, sc.skipped[tr], __ATOMIC_RELAXED);
+        if (sc.skipped[tr] != 0) __atomic_fetch_add(p.skipped + 2 * (b * n_trials + tr), sc.skipped[tr], __ATOMIC_RELAXED);
       }
     }
     if (it.split >= 0) {
@@ -787,7 +787,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                   const at::Tensor& seq_lens_k, double softmax_scale,
                                   const std::optional<at::Tensor>& log_sf, const at::Tensor& gamma,
-                                  const at::Tensor& prompt_lens, bool calibrate, at::Tensor out) {
+                                  const at::Tensor& prompt_lens, bool calibrate, at::Tensor out,
+                                  const std::optional<at::Tensor>& counts_out) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && out.dim() == 3,
               "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D], out [N, Hq, D]");
@@ -869,12 +870,16 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(calibrate || p.T == 1, "skip_softmax_attention: serving takes one trial (T == 1), got ", p.T);
     p.log_sf = log_sf_c.data_ptr<float>();
     p.gamma = gamma_c.data_ptr<float>();
-    counts = at::zeros({p.B, p.T, 2}, at::kLong);
-  }
-  at::Tensor skipped;
-  if (log_sf.has_value()) {
-    skipped = at::zeros({p.B, p.T}, at::kLong);
-    p.skipped = skipped.data_ptr<int64_t>();
+    if (counts_out.has_value()) {  // the caller's persistent buffer (no allocation per call)
+      counts = *counts_out;
+      TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && counts.dim() == 3 &&
+                      counts.size(0) == p.B && counts.size(1) == p.T && counts.size(2) == 2,
+                  "skip_softmax_attention: counts must be a contiguous int64 [B, T, 2] tensor");
+      counts.zero_();
+    } else {
+      counts = at::zeros({p.B, p.T, 2}, at::kLong);
+    }
+    p.skipped = counts.data_ptr<int64_t>() + 1;
   }
 
   switch (q.scalar_type()) {
@@ -888,16 +893,12 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (!log_sf.has_value()) return at::empty({0}, at::kLong);
   // visited = (row, query head, key tile) triples: row at position pos visits tiles 0 .. pos // 64.
   auto cacc = counts.accessor<int64_t, 3>();
-  auto sacc = skipped.accessor<int64_t, 2>();
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t q_len = p.cu[b + 1] - p.cu[b];
     const int64_t kv_len = p.kvlen[b];
     int64_t visited = 0;
     for (int64_t pos = kv_len - q_len; pos < kv_len; ++pos) visited += pos / kTileK + 1;
-    for (int64_t tr = 0; tr < p.T; ++tr) {
-      cacc[b][tr][0] = visited * p.Hq;
-      cacc[b][tr][1] = sacc[b][tr];
-    }
+    for (int64_t tr = 0; tr < p.T; ++tr) cacc[b][tr][0] = visited * p.Hq;
   }
   return counts;
 }
@@ -908,7 +909,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
   m.def(
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
-      "Tensor(a!) out) -> Tensor");
+      "Tensor(a!) out, Tensor(b!)? counts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }

@@ -16,10 +16,11 @@ per-layer attribute is what vLLM reads after construction, per engine, and unins
 The builders run the native `build` unchanged and attach the step's `SparsePlan` (plugins/vllm/plan.py); they plan
 from the engine context of their layers, never from a process-wide registry. They declare:
 
-- CUDA graphs: `AttentionCGSupport.NEVER` for now. vLLM then resolves its default `FULL_AND_PIECEWISE` to
-  `PIECEWISE` (attention runs eagerly between captured pieces) and `-O0` / `enforce_eager` stay eager; the mode
-  vLLM chose is logged once per engine. The plan's tensors are persistent buffers so full decode graphs can be
-  declared later (docs/vllm_matrix.md lists what a GPU must confirm first).
+- CUDA graphs (plugins/vllm/cudagraphs.py): full graphs for uniform decode batches (at most
+  `UNIFORM_SINGLE_TOKEN_DECODE`, never more than the native builder) when the engine serves sparse on a CUDA device
+  with the Triton kernel and the start-up self-test passes; `NEVER` otherwise (vLLM then resolves its default
+  `FULL_AND_PIECEWISE` to `PIECEWISE`), the native builder's support when the engine serves dense. The decision
+  and the CUDA-graph mode vLLM chose are logged once per engine.
 - no cascade attention (the sparse kernel reads each sequence's whole paged cache), no in-place block-table update
   of built metadata (the plan is built in `build`), no draft-decode metadata refresh without `build`.
 - page sizes: where CUDA runs the Triton kernel, only the kernel block sizes it covers (powers of two >= 16), so
@@ -34,6 +35,8 @@ import logging
 import torch
 
 from .compat import native_kernel_block_sizes, vllm_facts
+from .cudagraphs import decide as decide_cudagraphs
+from .cudagraphs import graph_path
 from .impls import (
     _STATE_ATTR,
     ModelOptSparseAttentionImpl,
@@ -79,6 +82,16 @@ def _covered_kernel_block_sizes(native_backend, kv_cache_spec=None) -> list:
     return sorted(set(covered)) or native  # nothing covered: the builder refuses at start-up with the reason
 
 
+def _engine_context_of(vllm_config):
+    """The sparse context of an engine's layers (one per engine), or None when none is sparse."""
+    forward_context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    for layer in forward_context.values():
+        state = layer_state(layer) if hasattr(layer, "impl") else None
+        if state is not None:
+            return state.context
+    return None
+
+
 class _SparseBuilderMixin:
     """What the three sparse builders add to their native builder (placed before it in the MRO)."""
 
@@ -87,8 +100,15 @@ class _SparseBuilderMixin:
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        """NEVER (for now): vLLM resolves full-graph modes to piecewise (or eager) by itself."""
-        return vllm_facts().cg_support.NEVER
+        """Full graphs for uniform decode when sparse decode is capture-safe here (module docstring), else NEVER."""
+        native = super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        context = _engine_context_of(vllm_config)
+        if context is None or graph_path(context) == "dense":
+            return native  # every forward is the native one
+        cg = vllm_facts().cg_support
+        if decide_cudagraphs(vllm_config, kv_cache_spec, context).full:
+            return native if native.value <= cg.UNIFORM_SINGLE_TOKEN_DECODE.value else cg.UNIFORM_SINGLE_TOKEN_DECODE
+        return cg.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
@@ -96,9 +116,12 @@ class _SparseBuilderMixin:
         self._modelopt_layers = [forward_context[n] for n in layer_names if n in forward_context]
         for layer in self._modelopt_layers:
             setattr(layer, BUILDER_MARK, True)
-        max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 256
-        self._modelopt_planner = SparsePlanner(max_num_seqs, device)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        self._modelopt_planner = SparsePlanner(getattr(scheduler, "max_num_seqs", None) or 256, device)
+        self._modelopt_graph_bound = None  # max_model_len when uniform decode steps may run in full graphs
+        self._modelopt_graph_sizes = 0  # the largest batch vLLM captures
         self._modelopt_check_startup(kv_cache_spec)
+        self._modelopt_prepare_graphs(vllm_config, kv_cache_spec)
 
     def _modelopt_context(self):
         for layer in self._modelopt_layers:
@@ -123,6 +146,38 @@ class _SparseBuilderMixin:
                 "MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch (PyTorch reference, slow)"
             )
 
+    def _modelopt_prepare_graphs(self, vllm_config, kv_cache_spec) -> None:
+        """Persistent split-K workspace for the Triton kernel, and whether uniform decode steps get capture-safe
+        plans (the engine asked for full graphs and this group declares them)."""
+        context = self._modelopt_context()
+        if context is None or context.serves_dense or context.calibrating:
+            return
+        model = vllm_config.model_config
+        if context.kernel_backend == "triton":
+            heads = max((int(layer.impl.num_heads) for layer in self._modelopt_layers), default=0)
+            size = self._modelopt_planner.reserve_workspace(heads, int(kv_cache_spec.head_size),
+                                                             int(model.max_model_len))
+            if size:
+                context.log_once("workspace", "sparse attention: %.1f MiB split-K workspace for %d sequences of up "
+                                 "to %d tokens", size / 2**20, self._modelopt_planner.capacity, model.max_model_len)
+        compilation = vllm_config.compilation_config
+        mode = getattr(compilation, "cudagraph_mode", None)
+        wants_full = bool(mode is not None and getattr(mode, "has_full_cudagraphs", lambda: False)())
+        decision = decide_cudagraphs(vllm_config, kv_cache_spec, context)
+        context.log_once("graph-decision", "sparse attention: full CUDA graphs for uniform decode %s: %s",
+                         "declared" if decision.full else "not declared", decision.reason)
+        if wants_full and decision.full:
+            self._modelopt_graph_bound = int(model.max_model_len)
+            sizes = getattr(compilation, "cudagraph_capture_sizes", None) or [0]
+            self._modelopt_graph_sizes = int(getattr(compilation, "max_cudagraph_capture_size", None) or max(sizes))
+            context.graph_path = graph_path(context)
+
+    def _modelopt_plan_bound(self, cam) -> int | None:
+        """`max_model_len` for a uniform decode step vLLM may capture or replay in a full graph, else None."""
+        if self._modelopt_graph_bound is None or int(cam.max_query_len) != 1:
+            return None
+        return self._modelopt_graph_bound if int(cam.num_reqs) <= self._modelopt_graph_sizes else None
+
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         """Never: the sparse kernel reads each sequence's whole paged cache (no shared-prefix split)."""
         return False
@@ -134,15 +189,16 @@ class _SparseBuilderMixin:
         if context is not None:
             context.log_once(
                 "cudagraph",
-                "sparse attention (%s): vLLM runs CUDA graph mode %s (the sparse builders declare no full-graph "
-                "support); prompt lengths from %s",
+                "sparse attention (%s): vLLM runs CUDA graph mode %s; prompt lengths from %s",
                 context.describe(),
                 getattr(getattr(self.vllm_config, "compilation_config", None), "cudagraph_mode", None),
                 context.prompt_lens.name if context.prompt_lens is not None
                 else f"the kernel's default rule ({context.prompt_lens_reason})",
             )
             if not context.serves_dense:
-                setattr(metadata, PLAN_ATTR, self._modelopt_planner.plan(context, common_attn_metadata))
+                plan = self._modelopt_planner.plan(context, common_attn_metadata,
+                                                   self._modelopt_plan_bound(common_attn_metadata))
+                setattr(metadata, PLAN_ATTR, plan)
         return metadata
 
 

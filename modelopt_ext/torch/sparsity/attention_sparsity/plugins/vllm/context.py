@@ -50,6 +50,7 @@ class SparseAttentionContext:
     version: int = 0  # bumped by every reconfiguration; builders refresh their law buffers when it changes
     # calibrate with served laws instead of scale factors: (c_prefill, c_decode, γ_prefill, γ_decode) per trial
     trial_laws: tuple[tuple[float, float, float, float], ...] | None = None
+    graph_path: str | None = None  # the forward full decode graphs captured ("sparse"/"dense"), when they run
     _logged: set = field(default_factory=set, repr=False)
 
     @property

@@ -4,6 +4,8 @@
     MODELOPT_EXT_SPARSE_ATTN_BACKEND=NAME   kernel backend: auto (default), torch, triton, cpu
     MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY=N    log realized sparsity every N engine steps (default 256, 0: never)
     MODELOPT_EXT_SPARSE_ATTN_STRICT=1       all or nothing: a layer that cannot run sparse is an error, not kept dense
+    MODELOPT_EXT_SPARSE_ATTN_CUDAGRAPH=X    full CUDA graphs for sparse decode: auto (default: a start-up self-test on
+                                            the GPU decides), full (declare them, no self-test), never
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ ENV_ENABLE = "MODELOPT_EXT_SPARSE_ATTN"
 ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
 ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
 ENV_STRICT = "MODELOPT_EXT_SPARSE_ATTN_STRICT"
+ENV_CUDAGRAPH = "MODELOPT_EXT_SPARSE_ATTN_CUDAGRAPH"
+CUDAGRAPH_CHOICES = ("auto", "full", "never")
 DEFAULT_LOG_EVERY = 256
 _OFF = ("0", "false", "off", "no")
 
@@ -43,3 +47,11 @@ def log_every() -> int:
 def strict_mode() -> bool:
     """True when the user asked for all or nothing (MODELOPT_EXT_SPARSE_ATTN_STRICT=1): no layer is kept dense."""
     return env_flag(ENV_STRICT, default=False)
+
+
+def cudagraph_choice() -> str:
+    """auto, full or never (MODELOPT_EXT_SPARSE_ATTN_CUDAGRAPH); anything else is an error naming the choices."""
+    value = os.environ.get(ENV_CUDAGRAPH, "auto").strip().lower() or "auto"
+    if value not in CUDAGRAPH_CHOICES:
+        raise ValueError(f"{ENV_CUDAGRAPH}={value!r}: use one of {', '.join(CUDAGRAPH_CHOICES)}")
+    return value

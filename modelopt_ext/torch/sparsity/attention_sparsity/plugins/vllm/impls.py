@@ -160,6 +160,7 @@ class _SparseImplMixin:
             q, k_view, v_view, plan.block_table, plan.query_start_loc, plan.seq_lens,
             softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
             prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
+            counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only,
         )  # fmt: skip
         if calibrate:
             law_lens, is_decode = plan.record_keys()
@@ -178,9 +179,9 @@ class _SparseImplMixin:
 
 def _accumulate(state: _LayerState, counts: torch.Tensor, phase_index: torch.Tensor) -> None:
     """Add [B, 2] serving counts into the layer's per-phase totals, in place on the device (no host sync)."""
-    if state.phase_counts is None or state.phase_counts.device != counts.device:
+    if state.phase_counts is None or state.phase_counts.device != counts.device:  # the first step only
         state.phase_counts = torch.zeros(2, 2, dtype=torch.int64, device=counts.device)
-    state.phase_counts.index_add_(0, phase_index.to(counts.device), counts.to(torch.int64))
+    state.phase_counts.index_add_(0, phase_index, counts)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from .compat import (
     vllm_facts,
 )
 from .context import MODES, SparseAttentionContext
+from .cudagraphs import check_graph_path
 from .env import ENV_STRICT, strict_mode
 from .impls import _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
 from .kv_cache import native_flash_cache_write_op
@@ -326,6 +327,7 @@ def _engine_context(targets, new: SparseAttentionContext, source, report):
     context = next(iter(existing.values()))
     unchanged = _same_config(context, new)
     if not unchanged:
+        check_graph_path(context, new)
         for key in ("mode", "settings", "kernel_backend", "trials", "trial_laws", "track_sparsity"):
             setattr(context, key, getattr(new, key))
         context.version += 1
@@ -347,7 +349,9 @@ def _make_sparse(name: str, layer, context: SparseAttentionContext, unchanged: b
         if unchanged and state.context is context:
             report.unchanged.append(name)
         else:
-            state.context, state.records, state.phase_counts = context, [], None
+            state.context, state.records = context, []
+            if state.phase_counts is not None:  # zeroed in place: a captured decode graph adds into this tensor
+                state.phase_counts.zero_()
             report.reconfigured.append(name)
         return
     sparse = object.__new__(_SPARSE_BY_NATIVE[native])

@@ -20,8 +20,11 @@ What the kernel gets per sequence (docs/skip_softmax.md, version 2):
 CUDA graphs. Every tensor above is a view of a persistent buffer sized by `max_num_seqs` and allocated when the
 builder is created; `build` writes into them in place (host prompt lengths through a pinned staging buffer and one
 non-blocking copy; phases and lengths by device ops). The law buffers depend only on the settings and are rewritten
-only when the settings change. So a captured full decode graph would read the current step's values at replay;
-what a GPU must confirm before the builders declare full-graph support is listed in docs/vllm_matrix.md.
+only when the settings change; the serving counts and the Triton kernel's split-K workspace are persistent too.
+When the builder runs full decode graphs (plugins/vllm/cudagraphs.py), a uniform decode batch gets a
+capture-safe plan (`graph_bound`): the kernel's decode grid is sized from `max_model_len` instead of this step's
+longest sequence, and no host decision picks the dense path (the kernel itself drops nothing where λ says so), so
+a graph captured from one step replays correctly with the next step's buffers.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class SparsePlan:
     kernel_log_sf: torch.Tensor | None = None  # the law in the kernels' form: [B, 1, 2] (serve) or [B, T, 2]
     calibrate: bool = False
     dense: bool = False  # serve: no row of this step can drop a tile (decided on the host)
+    decode_only: bool = False  # every sequence has one new row (or none: padding): the kernel skips its prefill grid
+    counts: torch.Tensor | None = None  # serve: [B, 1, 2] int64 persistent counts the kernel zeroes and fills
+    workspace: tuple | None = None  # the Triton kernel's persistent split-K workspace (None: it allocates)
     prompt_lens_from: str = "kernel default"  # where prompt_lens came from this step
     _record_keys: tuple | None = dataclasses.field(default=None, repr=False)
 
@@ -83,6 +89,8 @@ class SparsePlanner:
     def __init__(self, max_num_seqs: int, device) -> None:
         self.device = torch.device(device)
         self.capacity = 0
+        self.workspace = None  # (accumulators, max/sum) for the Triton decode kernel (`reserve_workspace`)
+        self._workspace_shape = None
         self._law_key = None
         self._trial_key = None
         self._allocate(max(1, int(max_num_seqs)))
@@ -96,6 +104,7 @@ class SparsePlanner:
         self.law_lens = torch.zeros(capacity, dtype=torch.int64, device=dev)
         self.log_scale_factors = torch.full((capacity, 2), -math.inf, dtype=torch.float32, device=dev)
         self.length_exponents = torch.ones(capacity, 2, dtype=torch.float32, device=dev)
+        self.counts = torch.zeros(capacity, 1, 2, dtype=torch.int64, device=dev)
         self.trial_log_scale_factors = None
         self._host_prompt_lens = _pin(torch.zeros(capacity, dtype=torch.int32))
         self._law_key = self._trial_key = None
@@ -105,6 +114,21 @@ class SparsePlanner:
             logger.warning("sparse plan: %d sequences > max_num_seqs %d; growing the plan buffers (new addresses)",
                            num_reqs, self.capacity)
             self._allocate(max(num_reqs, 2 * self.capacity))
+            if self._workspace_shape is not None:
+                self.reserve_workspace(*self._workspace_shape)
+
+    def reserve_workspace(self, num_heads: int, head_size: int, max_model_len: int) -> int:
+        """Allocate the Triton decode kernel's split-K workspace once, for `capacity` sequences of up to
+        `max_model_len` keys; returns its size in bytes (0 when every sequence fits one split)."""
+        from modelopt_ext.torch.kernels.sparsity.attention.semantics import decode_workspace_numel
+
+        self._workspace_shape = (num_heads, head_size, max_model_len)
+        acc, ml = decode_workspace_numel(self.capacity, num_heads, head_size, max_model_len)
+        if acc <= 1:
+            self.workspace = None
+            return 0
+        self.workspace = tuple(torch.empty(n, dtype=torch.float32, device=self.device) for n in (acc, ml))
+        return 4 * (acc + ml)
 
     def _refresh_law(self, context) -> None:
         key = (id(context), context.version)
@@ -131,8 +155,12 @@ class SparsePlanner:
             self._law_key = key
             self._trial_key = None
 
-    def plan(self, context, common_attn_metadata) -> SparsePlan:
-        """Fill the buffers for this step from vLLM's `CommonAttentionMetadata` and the engine's context."""
+    def plan(self, context, common_attn_metadata, graph_bound: int | None = None) -> SparsePlan:
+        """Fill the buffers for this step from vLLM's `CommonAttentionMetadata` and the engine's context.
+
+        `graph_bound` (the engine's `max_model_len`): this step may be captured in, or replay, a full decode graph,
+        so the plan must not depend on this step's lengths on the host (see the module docstring).
+        """
         cam = common_attn_metadata
         b = int(cam.num_reqs)
         self._ensure_capacity(b)
@@ -157,14 +185,15 @@ class SparsePlanner:
         self.phase_index[:b].copy_(decode)
         self.law_lens[:b].copy_(torch.where(decode, seq_lens, prompt))
 
-        max_seq_len = int(cam.max_seq_len)
+        max_query_len = int(cam.max_query_len)
+        max_seq_len = int(cam.max_seq_len) if graph_bound is None else int(graph_bound)
         plan = SparsePlan(
             num_reqs=b,
             num_tokens=int(cam.num_actual_tokens),
             block_table=cam.block_table_tensor[:b],
             seq_lens=seq_lens,
             query_start_loc=qsl,
-            max_query_len=int(cam.max_query_len),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             prompt_lens=prompt,
             is_decode=decode,
@@ -172,6 +201,8 @@ class SparsePlanner:
             law_lens=self.law_lens[:b],
             length_exponents=self.length_exponents[:b],
             prompt_lens_from=source,
+            decode_only=max_query_len <= 1,
+            workspace=self.workspace,
         )
         if context.calibrating:
             table = self.trial_log_scale_factors[:b]
@@ -186,7 +217,9 @@ class SparsePlanner:
         else:
             plan.log_scale_factors = self.log_scale_factors[:b]
             plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
-            plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))
+            plan.counts = self.counts[:b]
+            if graph_bound is None:  # eager step: the dense path when no row can drop a tile
+                plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))
         return plan
 
 

@@ -1,0 +1,63 @@
+"""The CUDA-graph self-test (kernels/.../graph_check.py) on the CPU: everything but the capture itself.
+
+`replay_by_call` replays the captured closure with the host values it froze (batch size, `max_model_len`, the
+persistent buffers) while the self-test rewrites lengths, block tables, padding rows and λ in the buffers. The
+kernels that must pass it do; a launch that freezes a host value read from the captured step's lengths (what an
+eager-only launch does: a grid sized from this step's longest sequence) must fail it, with the reason. On a GPU
+the same test runs with a real capture (scripts/gpu_check.py; the vLLM plugin at engine start).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher, triton_available
+from modelopt_ext.torch.kernels.sparsity.attention.graph_check import decode_graph_self_test, replay_by_call
+
+SHAPES = dict(num_heads=4, num_kv_heads=2, head_size=32, page_size=16, max_model_len=5000, dtype=torch.float32,
+              device="cpu")  # fmt: skip
+
+
+def _backends():
+    out = [pytest.param("torch")]
+    out.append(pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(),
+                                                            reason=f"{cpu_kernel.unavailable_reason()}")))
+    out.append(pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton")))
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_kernels_pass_the_self_test(backend):
+    sizes = (1, 3) if backend != "triton" else (3,)  # the interpreter is slow: one padded batch size
+    problem = decode_graph_self_test(kernel_launcher(backend), batch_sizes=sizes, rounds=2, capture=replay_by_call,
+                                     **SHAPES)  # fmt: skip
+    assert problem is None, problem
+
+
+def test_a_launch_sized_from_the_captured_lengths_fails():
+    """A grid bound frozen from the captured step's lengths: replays with longer sequences must be caught."""
+    launch = kernel_launcher("triton" if triton_available() else "torch")
+    frozen = {}
+
+    def eager_sized(*args, seq_lens=None, **kwargs):
+        seq_lens_k = args[5]
+        if "bound" not in frozen:  # what a graph would keep from the capture
+            frozen["bound"] = int(seq_lens_k.max())
+        kwargs["max_seqlen_k"] = frozen["bound"]
+        kwargs.pop("workspace", None)
+        return launch(*args, **kwargs)
+
+    if not triton_available():
+        pytest.skip("only the Triton kernel sizes its grid from max_seqlen_k")
+    problem = decode_graph_self_test(eager_sized, batch_sizes=(2,), rounds=1, capture=replay_by_call, **SHAPES)
+    assert problem is not None and "round 1" in problem, problem
+
+
+def test_failures_are_reported_not_raised():
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    problem = decode_graph_self_test(broken, batch_sizes=(1,), rounds=1, capture=replay_by_call, **SHAPES)
+    assert problem.startswith("RuntimeError: no kernel image")
