@@ -14,8 +14,11 @@ a phase that times out is killed and the next one still runs, and every phase wr
                    unzipped into a temporary folder put on PYTHONPATH (or `pip install --no-index --target`
                    with --pip-install). The nvidia-modelopt wheel is handed to the benchmark, which loads it.
 3. gpu tests    -> pytest.log, pytest.xml (`pytest -m gpu tests/`)
-4. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
-5. summary      -> summary.txt, summary.json (printed last)
+4. graphs       -> graphs.log, graphs/graphs.json|txt (benchmarks/bench_decode_graphs.py: the CUDA-graph self-test
+                   the vLLM plugin runs at engine start, on the Triton kernel without vLLM, and decode latency eager
+                   vs graph replay at batch 1/8/64 with 8k-token contexts; issue #26)
+5. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
+6. summary      -> summary.txt, summary.json (printed last)
 
 What a GPU must confirm (changes made without one; read the table with these in mind):
 
@@ -50,6 +53,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench_kernels.py"
+GRAPHS = REPO / "benchmarks" / "bench_decode_graphs.py"
 
 
 class Runner:
@@ -279,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="quick benchmark shapes")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-graphs", action="store_true")
+    p.add_argument("--graphs-timeout", type=float, default=100.0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU rehearsal: collect the gpu tests only and run the CPU benchmark (--quick)")
     args = p.parse_args(argv)
@@ -313,9 +319,16 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", tests_path, "-p", "no:cacheprovider", "-rA",
                "--continue-on-collection-errors", f"--junitxml={out / 'pytest.xml'}"]
         cmd += ["--collect-only", "-q"] if args.dry_run else ["-q"]
-        bench_reserve = 0 if args.skip_bench else (60 if args.dry_run else 200)
+        bench_reserve = (0 if args.skip_bench else (60 if args.dry_run else 200)) + (
+            0 if args.skip_graphs else min(args.graphs_timeout, 40 if args.dry_run else args.graphs_timeout))
         timeout = min(args.tests_timeout, runner.left() - bench_reserve - 15)
         runner.run("gpu tests", cmd, timeout, env, "pytest.log")
+    # Phase: CUDA graphs (self-test + eager vs replay latency).
+    if not args.skip_graphs:
+        timeout = min(args.graphs_timeout, runner.left() - (0 if args.skip_bench else 150) - 15)
+        cmd = [sys.executable, str(GRAPHS), "--device", "cpu" if args.dry_run else "cuda", "--out", str(out / "graphs")]
+        cmd += ["--quick"] if args.dry_run else []
+        runner.run("graphs", cmd, timeout, env, "graphs.log")
     # Phase: benchmark.
     bench_out = out / "bench"
     if not args.skip_bench:
@@ -364,6 +377,10 @@ def main(argv=None) -> int:
         skipped = sorted({r["shape"] for r in data.get("records", []) if "time budget" in str(r.get("error"))})
         if skipped:
             lines.append(f"  not (fully) reached in the time budget: {', '.join(skipped)}")
+    graphs_txt = out / "graphs" / "graphs.txt"
+    if "graphs" in runner.phases:
+        lines.append(f"graphs: {runner.phases['graphs']['status']}")
+        lines += graphs_txt.read_text(encoding="utf-8").splitlines() if graphs_txt.is_file() else []
     summary["bench_meta"] = meta
     summary["bench_rows"] = rows
     table_txt = bench_out / "table.txt"

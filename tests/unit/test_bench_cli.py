@@ -83,17 +83,18 @@ def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
 
     out = tmp_path / "check"
     cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out),
-           "--tests-path", "tests/unit/kernels", "--budget", "150",
+           "--tests-path", "tests/unit/kernels", "--budget", "190",
            "--bench-args", "--sparsities 0.5 --prefill-lens 1024 --decode-shapes 2:2048 --target-seconds 0.05"]
-    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=200)
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     text = (out / "summary.txt").read_text()
     assert "GPU CHECK SUMMARY" in text and "gpu tests:" in text and "benchmark: ok" in text
+    assert "graphs: ok" in text and "self-test float32: passed" in text
     assert "prefill B=1 L=1k" in text and "decode B=2 L=2k" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phases"]["benchmark"]["status"] == "ok"
     assert summary["bench_rows"]
-    for name in ("gpu_check.log", "env.txt", "pytest.log", "bench.log", "bench/results.json"):
+    for name in ("gpu_check.log", "env.txt", "pytest.log", "bench.log", "bench/results.json", "graphs/graphs.json"):
         assert (out / name).is_file(), name
 
 

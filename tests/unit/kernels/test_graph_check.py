@@ -61,3 +61,13 @@ def test_failures_are_reported_not_raised():
 
     problem = decode_graph_self_test(broken, batch_sizes=(1,), rounds=1, capture=replay_by_call, **SHAPES)
     assert problem.startswith("RuntimeError: no kernel image")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_decode_launch_replays_in_a_cuda_graph(dtype):
+    """The real capture: what the vLLM plugin runs at engine start before it declares full decode graphs."""
+    shapes = {**SHAPES, "dtype": dtype, "device": "cuda", "num_heads": 32, "num_kv_heads": 8, "head_size": 128}
+    problem = decode_graph_self_test(kernel_launcher("triton"), batch_sizes=(1, 8), rounds=3, **shapes)
+    assert problem is None, problem

@@ -334,3 +334,22 @@ def test_calibration_records_carry_the_law_length(make_layer, vllm_config):
     (record,) = plug.collect_calibration_records([layer])
     assert record["kv_lens"].tolist() == [200, 91] and record["is_decode"].tolist() == [False, True]
     assert record["counts"].shape == (2, 2, 2) and (record["counts"][..., 0] > 0).all()
+
+
+def test_flashinfer_plan_runs_only_when_the_dense_path_may(make_layer, vllm_config):
+    """A step the sparse kernel serves gets vLLM's FlashInferMetadata without FlashInfer's plan (no prefill or
+    decode wrapper planned); a step where the law cannot drop a tile (the dense path runs) is planned as vLLM plans
+    it. The forward tests (test_vllm_plugin.py) check the attention each serves."""
+    from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
+
+    layer = make_layer("flashinfer", head_size=D)
+    plug.install_sparse_attention([layer], _settings(sf_prefill=8.0, sf_decode=8.0))
+    for q_lens, kv_lens, sparse in (([1, 6], [400, 300], True), ([1, 1], [6, 5], False)):  # λ = 8 / n
+        batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB)
+        metadata = backend_metadata(layer, batch, page=PAGE)
+        plan = getattr(metadata, plug.PLAN_ATTR)
+        assert isinstance(metadata, FlashInferMetadata) and plan.dense is not sparse
+        planned = [getattr(part, "wrapper", part) for part in (metadata.prefill, metadata.decode) if part is not None]
+        assert (planned == []) is sparse
+        assert all("planned" in vars(w) for w in planned if hasattr(w, "__dict__"))
+        assert (metadata.num_decodes, metadata.num_actual_tokens) == (1 if sparse else 2, sum(q_lens))

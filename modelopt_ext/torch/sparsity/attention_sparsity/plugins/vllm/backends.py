@@ -30,6 +30,7 @@ from the engine context of their layers, never from a process-wide registry. The
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -183,23 +184,76 @@ class _SparseBuilderMixin:
         return False
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        """The native build, plus the step's sparse plan when this group has sparse layers."""
-        metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        """The step's sparse plan when this group has sparse layers, on the native metadata (or, for a step the
+        sparse kernel serves, on `_modelopt_sparse_step_metadata` where the backend has a cheaper one)."""
         context = self._modelopt_context()
-        if context is not None:
-            context.log_once(
-                "cudagraph",
-                "sparse attention (%s): vLLM runs CUDA graph mode %s; prompt lengths from %s",
-                context.describe(),
-                getattr(getattr(self.vllm_config, "compilation_config", None), "cudagraph_mode", None),
-                context.prompt_lens.name if context.prompt_lens is not None
-                else f"the kernel's default rule ({context.prompt_lens_reason})",
-            )
-            if not context.serves_dense:
-                plan = self._modelopt_planner.plan(context, common_attn_metadata,
-                                                   self._modelopt_plan_bound(common_attn_metadata))
-                setattr(metadata, PLAN_ATTR, plan)
+        if context is None:
+            return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        context.log_once(
+            "cudagraph",
+            "sparse attention (%s): vLLM runs CUDA graph mode %s; prompt lengths from %s",
+            context.describe(),
+            getattr(getattr(self.vllm_config, "compilation_config", None), "cudagraph_mode", None),
+            context.prompt_lens.name if context.prompt_lens is not None
+            else f"the kernel's default rule ({context.prompt_lens_reason})",
+        )
+        if context.serves_dense:
+            return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        bound = self._modelopt_plan_bound(common_attn_metadata)
+        plan = self._modelopt_planner.plan(context, common_attn_metadata, bound)
+        metadata = None if plan.dense else self._modelopt_sparse_step_metadata(context, common_attn_metadata)
+        if metadata is None:  # the dense path may run: the native metadata, planned as vLLM plans it
+            metadata = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        setattr(metadata, PLAN_ATTR, plan)
         return metadata
+
+    def _modelopt_sparse_step_metadata(self, context, common_attn_metadata):
+        """Metadata for a step every layer of the group runs with the sparse kernel, or None (the native build)."""
+        return None
+
+
+class _FlashInferSparseStepMixin:
+    """FlashInfer: a step the sparse kernel serves skips FlashInfer's plan (its host-side scheduling and copies).
+
+    The metadata is vLLM's own `FlashInferMetadata` with the batch's counts and slot mapping and no prefill or
+    decode plan (`prefill=None, decode=None`): only the dense path reads those, and it never runs on such a step.
+    Where this vLLM's `FlashInferMetadata` needs fields this does not know, the native build runs (logged once).
+    """
+
+    def _modelopt_sparse_step_metadata(self, context, common_attn_metadata):
+        metadata_cls = _flashinfer_metadata_cls()
+        if metadata_cls is None:
+            return None
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+        cam = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold
+        )
+        values = {
+            "kv_cache_layout": getattr(self, "kv_cache_layout", None), "num_actual_tokens": cam.num_actual_tokens,
+            "slot_mapping": cam.slot_mapping, "q_data_type_prefill": getattr(self, "q_data_type_prefill", None),
+            "q_data_type_decode": getattr(self, "q_data_type_decode", None), "num_decodes": num_decodes,
+            "num_decode_tokens": num_decode_tokens, "num_prefills": num_prefills,
+            "num_prefill_tokens": num_prefill_tokens, "causal": getattr(cam, "causal", True), "prefill": None,
+            "decode": None,
+        }  # fmt: skip
+        missing = [f.name for f in dataclasses.fields(metadata_cls) if f.init and f.name not in values
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+        if missing:
+            context.log_once("flashinfer-plan", "sparse attention: FlashInfer's plan runs on sparse steps too (this "
+                             "vLLM's FlashInferMetadata also needs %s)", ", ".join(missing))
+            return None
+        known = {f.name for f in dataclasses.fields(metadata_cls)}
+        return metadata_cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _flashinfer_metadata_cls():
+    try:
+        from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
+    except ImportError:  # pragma: no cover - vLLM without FlashInfer
+        return None
+    return FlashInferMetadata if dataclasses.is_dataclass(FlashInferMetadata) else None
 
 
 def _backend_pair(kind: str, impl_cls, name: str):
@@ -207,7 +261,8 @@ def _backend_pair(kind: str, impl_cls, name: str):
     native = vllm_facts().native(kind)
     if native is None or impl_cls is None:
         return None, None
-    builder = type(f"ModelOptSparse{name}MetadataBuilder", (_SparseBuilderMixin, native.builder), {
+    extra = (_FlashInferSparseStepMixin,) if kind == "flashinfer" else ()
+    builder = type(f"ModelOptSparse{name}MetadataBuilder", (*extra, _SparseBuilderMixin, native.builder), {
         "__module__": __name__,
         "__doc__": f"{native.builder.__name__} that attaches the per-step sparse plan (see module docstring).",
     })
