@@ -177,36 +177,44 @@ def _launch_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k
     return paged_skip_softmax_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
 
 
-def _launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k=None, workspace=None,
-                decode_only=False, **kwargs):
-    from .cpu_kernel import paged_skip_softmax_attention_cpu
+def _adding_totals(launch):
+    """A launch that also adds trial 0's counts into `totals` = (phase index [B], totals [phases, 2]) (device op)."""
 
-    return paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+    @functools.wraps(launch)
+    def run(*args, totals=None, **kwargs):
+        counts = launch(*args, **kwargs)
+        if totals is not None and counts is not None:
+            totals[1].index_add_(0, totals[0], counts[:, 0, :])
+        return counts
 
-
-def _launch_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs):
-    from .triton_kernel import launch_triton
-
-    return launch_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
-
-
-_LAUNCHERS = {"torch": _launch_reference, "cpu": _launch_cpu, "triton": _launch_triton}
+    return run
 
 
+@functools.cache
 def kernel_launcher(backend: str):
     """The launch function of a resolved kernel backend ("torch", "triton" or "cpu"), all with one signature:
 
         launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
-               prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False)
-            -> counts [B, T, 2] int64, or None
+               prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
+               totals=None) -> counts [B, T, 2] int64, or None
 
     The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
-    -inf for dense phases, or None; `gamma` [B, 2] float32; int32 `prompt_lens`, `cu_seqlens_q`, `seq_lens_k` and
-    `block_table`); q and out may be strided views. Nothing is checked: `paged_skip_softmax_attention` is the entry
-    that checks. `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation);
-    `workspace` and `decode_only` are the Triton kernel's (`triton_kernel.launch_triton`), ignored by the others.
+    -inf for dense phases, or None; `gamma` [B, 2] float32; int32 contiguous `prompt_lens`, `cu_seqlens_q`,
+    `seq_lens_k` and `block_table`); q and out may be strided views with more rows than `cu_seqlens_q[-1]` (those
+    are neither read nor written). Nothing is checked: `paged_skip_softmax_attention` is the entry that checks.
+    `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation); `totals` =
+    (phase index [B] int64, totals [phases, 2] int64) also adds trial 0's counts into totals[phase[b]] (serving
+    statistics; inside the op for the compiled CPU kernel); `workspace` and `decode_only` are the Triton kernel's
+    (`triton_kernel.launch_triton`), ignored by the others. Resolved once per backend (cached).
     """
-    try:
-        return _LAUNCHERS[backend]
-    except KeyError:
-        raise ValueError(f"kernel_launcher takes a resolved backend {tuple(_LAUNCHERS)}, got {backend!r}") from None
+    if backend == "cpu":
+        from .cpu_kernel import launch_cpu
+
+        return launch_cpu
+    if backend == "triton":
+        from .triton_kernel import launch_triton
+
+        return _adding_totals(launch_triton)
+    if backend == "torch":
+        return _adding_totals(_launch_reference)
+    raise ValueError(f"kernel_launcher takes a resolved backend ('torch', 'triton', 'cpu'), got {backend!r}")

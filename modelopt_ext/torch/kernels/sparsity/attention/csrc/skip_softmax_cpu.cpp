@@ -788,7 +788,9 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& seq_lens_k, double softmax_scale,
                                   const std::optional<at::Tensor>& log_sf, const at::Tensor& gamma,
                                   const at::Tensor& prompt_lens, bool calibrate, at::Tensor out,
-                                  const std::optional<at::Tensor>& counts_out) {
+                                  const std::optional<at::Tensor>& counts_out,
+                                  const std::optional<at::Tensor>& phase_index,
+                                  const std::optional<at::Tensor>& phase_totals) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && out.dim() == 3,
               "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D], out [N, Hq, D]");
@@ -900,6 +902,22 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t pos = kv_len - q_len; pos < kv_len; ++pos) visited += pos / kTileK + 1;
     for (int64_t tr = 0; tr < p.T; ++tr) cacc[b][tr][0] = visited * p.Hq;
   }
+  if (phase_totals.has_value()) {  // serving statistics: add trial 0 of each sequence into totals[phase[b]]
+    TORCH_CHECK(phase_index.has_value() && phase_index->scalar_type() == at::kLong && phase_index->numel() >= p.B &&
+                    phase_index->is_contiguous(),
+                "skip_softmax_attention: phase_totals needs a contiguous int64 phase_index of >= B entries");
+    TORCH_CHECK(phase_totals->scalar_type() == at::kLong && phase_totals->is_contiguous() &&
+                    phase_totals->dim() == 2 && phase_totals->size(1) == 2,
+                "skip_softmax_attention: phase_totals must be a contiguous int64 [phases, 2] tensor");
+    const int64_t* ph = phase_index->data_ptr<int64_t>();
+    int64_t* tot = phase_totals->data_ptr<int64_t>();
+    const int64_t phases = phase_totals->size(0);
+    for (int64_t b = 0; b < p.B; ++b) {
+      TORCH_CHECK(ph[b] >= 0 && ph[b] < phases, "skip_softmax_attention: phase_index out of range");
+      tot[2 * ph[b]] += cacc[b][0][0];
+      tot[2 * ph[b] + 1] += cacc[b][0][1];
+    }
+  }
   return counts;
 }
 
@@ -909,7 +927,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
   m.def(
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
-      "Tensor(a!) out, Tensor(b!)? counts=None) -> Tensor");
+      "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }

@@ -52,6 +52,7 @@ class SparseAttentionContext:
     trial_laws: tuple[tuple[float, float, float, float], ...] | None = None
     graph_path: str | None = None  # the forward full decode graphs captured ("sparse"/"dense"), when they run
     _logged: set = field(default_factory=set, repr=False)
+    _serves_dense: tuple | None = field(default=None, repr=False)
 
     @property
     def calibrating(self) -> bool:
@@ -66,11 +67,17 @@ class SparseAttentionContext:
 
     @property
     def serves_dense(self) -> bool:
-        """Serving with no calibrated phase: every layer runs its native forward."""
-        if self.calibrating:
-            return False
-        (c_pre, c_dec), _ = self.law()
-        return not (math.isfinite(c_pre) or math.isfinite(c_dec))
+        """Serving with no calibrated phase: every layer runs its native forward (cached per `version`: every
+        layer's forward asks, every step)."""
+        cached = self._serves_dense
+        if cached is not None and cached[0] == (self.version, self.mode, id(self.settings)):
+            return cached[1]
+        dense = False
+        if not self.calibrating:
+            (c_pre, c_dec), _ = self.law()
+            dense = not (math.isfinite(c_pre) or math.isfinite(c_dec))
+        self._serves_dense = ((self.version, self.mode, id(self.settings)), dense)
+        return dense
 
     def trial_log_scale_factors(self) -> tuple[float, ...]:
         """ln sf_t of each calibration trial (γ = 1 for both phases: λ_t = sf_t / n)."""

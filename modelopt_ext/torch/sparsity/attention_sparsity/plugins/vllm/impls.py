@@ -148,25 +148,26 @@ class _SparseImplMixin:
             self._modelopt_write(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             state.kv_writes += 1
 
-        n = plan.num_tokens
         if output is None:  # vLLM v1 always passes `output`
             output = torch.empty(query.shape[0], self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
         out3 = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, self.head_size)
-        q = query[:n]  # a strided view is fine: the kernels read q through its strides
-        if q.dim() == 2:
-            q = q.view(n, self.num_heads, self.head_size)
+        # q and out are read / written only up to the step's last query row (cu_seqlens): no slicing, no copy
+        q = query if query.dim() == 3 else query.view(query.shape[0], self.num_heads, self.head_size)
         k_view, v_view = self._modelopt_cached_views(layer, kv_cache, state)
+        totals = None
+        if not calibrate and state.context.track_sparsity:  # counters accumulate on the device, per phase
+            if state.phase_counts is None or state.phase_counts.device != q.device:  # the first step only
+                state.phase_counts = torch.zeros(2, 2, dtype=torch.int64, device=q.device)
+            totals = (plan.phase_index, state.phase_counts)
         counts = kernel_launcher(state.context.kernel_backend)(
             q, k_view, v_view, plan.block_table, plan.query_start_loc, plan.seq_lens,
             softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
             prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
-            counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only,
+            counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only, totals=totals,
         )  # fmt: skip
         if calibrate:
             law_lens, is_decode = plan.record_keys()
             state.records.append((counts, law_lens, is_decode))
-        elif state.context.track_sparsity:
-            _accumulate(state, counts[:, 0, :], plan.phase_index)
         return output
 
     def _modelopt_cached_views(self, layer, kv_cache: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +176,6 @@ class _SparseImplMixin:
             state.views = self._modelopt_views(layer, kv_cache)
             state.views_of = kv_cache
         return state.views
-
-
-def _accumulate(state: _LayerState, counts: torch.Tensor, phase_index: torch.Tensor) -> None:
-    """Add [B, 2] serving counts into the layer's per-phase totals, in place on the device (no host sync)."""
-    if state.phase_counts is None or state.phase_counts.device != counts.device:  # the first step only
-        state.phase_counts = torch.zeros(2, 2, dtype=torch.int64, device=counts.device)
-    state.phase_counts.index_add_(0, phase_index, counts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
