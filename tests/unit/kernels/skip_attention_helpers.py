@@ -208,12 +208,13 @@ def default_prompt_lens(case: Case) -> list[int]:
     return [kv - 1 if ql == 1 else kv for ql, kv in zip(case.q_lens, case.kv_lens, strict=True)]
 
 
-def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None) -> OracleResult:
+def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None,
+           softcap: float = 0.0) -> OracleResult:
     """float64 implementation of docs/skip_softmax.md (v2), row by row.
 
     `log_lams`: [B, T] ln λ for every row (-inf = dense) or None; or `law = (log_sf [B, T, 2], gamma [B, 2],
     prompt_lens [B])`. Serving (calibrate=False) drops the tiles of trial 0; calibration keeps the output dense
-    and counts every trial.
+    and counts every trial. `softcap` > 0: scores are cap·tanh(s / cap) before everything else.
     """
     total_q, hq, d = case.q.shape
     group = hq // case.k_cache.shape[2]
@@ -236,6 +237,8 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
         positions = kv - ql + torch.arange(ql)  # absolute position of each new row
         kk = k.repeat_interleave(group, dim=1).permute(1, 2, 0)  # [Hq, D, kv]
         s = case.scale * torch.matmul(q.permute(1, 0, 2), kk)  # [Hq, ql, kv]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         visible = torch.arange(kv)[None, :] <= positions[:, None]  # [ql, kv]
         s = s.masked_fill(~visible, -math.inf)
         keep = visible.expand(hq, ql, kv).clone()

@@ -162,10 +162,11 @@ def _constexpr_params(kernel) -> set[str]:
 
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
-    """λ (the law tensors), the scale, lengths and strides are runtime values; constexprs are geometry and mode only."""
+    """λ (the law tensors), the scale, the soft-cap value, lengths and strides are runtime values; constexprs are
+    geometry and mode only (SOFTCAP: whether scores are capped at all)."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
-        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS",
+        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP",
     }  # fmt: skip
     params = _constexpr_params(getattr(triton_kernel, kernel))
     assert params and params <= allowed, params - allowed

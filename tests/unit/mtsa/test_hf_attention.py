@@ -93,7 +93,7 @@ def test_unmatched_pattern_leaves_modules_dense(dense_and_copy):
     assert states["model.layers.0.self_attn"].enabled and not states["model.layers.1.self_attn"].enabled
 
 
-def _direct_kernel(query, key, value, lam, scaling):
+def _direct_kernel(query, key, value, lam, scaling, softcap=None):
     """Pack HF tensors by hand (contiguous copies) and call the kernel: the independent side of the comparison."""
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
@@ -105,13 +105,15 @@ def _direct_kernel(query, key, value, lam, scaling):
     lens = torch.full((batch,), kv_len, dtype=torch.int32)
     out, counts = paged_skip_softmax_attention(
         q, k_cache, v_cache, table, cu, lens, softmax_scale=scaling, skip_threshold=lam, return_skip_counts=True,
-        backend="torch",
+        backend="torch", logits_soft_cap=softcap,
     )
     return out.view(batch, q_len, hq, d), counts
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["no-cap", "softcap"])
 @pytest.mark.parametrize("q_len,kv_len,batch", [(96, 96, 2), (40, 200, 1), (1, 333, 3)])
-def test_hf_path_matches_direct_kernel_call(q_len, kv_len, batch):
+def test_hf_path_matches_direct_kernel_call(q_len, kv_len, batch, softcap):
+    """`softcap` is what transformers passes for Gemma 2's attn_logit_softcapping: the kernel caps the scores."""
     model = make_tiny_llama(6, layers=1)
     mtsa.sparsify(model, {"*self_attn*": {"thresholds": 0.05}})
     module = model.model.layers[0].self_attn
@@ -123,9 +125,11 @@ def test_hf_path_matches_direct_kernel_call(q_len, kv_len, batch):
     key = torch.randn(batch, 2, kv_len, 16, generator=g, dtype=torch.float64)
     key[:, :, 0] = 3 * sink
     value = torch.randn(batch, kv_len, 2, 16, generator=g, dtype=torch.float64).transpose(1, 2)  # HF V strides
-    out, weights = skip_softmax_attention_forward(module, query, key, value, None, scaling=0.25)
+    out, weights = skip_softmax_attention_forward(module, query, key, value, None, scaling=0.25, softcap=softcap)
     assert weights is None
-    ref, ref_counts = _direct_kernel(query, key, value, 0.05, 0.25)
+    ref, ref_counts = _direct_kernel(query, key, value, 0.05, 0.25, softcap)
+    if softcap:
+        assert (ref - _direct_kernel(query, key, value, 0.05, 0.25)[0]).abs().max() > 1e-3
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     phase = "decode" if q_len == 1 else "prefill"
     assert state.stats[phase].tolist() == ref_counts.sum(dim=(0, 1)).tolist()

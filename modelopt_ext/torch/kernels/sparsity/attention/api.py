@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 
@@ -104,6 +105,7 @@ def paged_skip_softmax_attention(
     log_scale_factors: torch.Tensor | None = None,
     length_exponents: torch.Tensor | None = None,
     prompt_lens: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """Causal varlen attention over a paged KV cache, dropping key tiles per row per docs/skip_softmax.md.
 
@@ -129,6 +131,8 @@ def paged_skip_softmax_attention(
         prompt_lens: [B] int32 prompt length of each request: rows before it are prefill rows with n =
             prompt_len, later rows decode rows with n = position + 1. Default: q_len > 1 is all prompt,
             q_len == 1 is decode. Pass the request's real prompt length to make results chunking-invariant.
+        logits_soft_cap: logit soft-capping (Gemma 2's `attn_logit_softcapping`): every score becomes
+            cap·tanh(score / cap) before the skip test and the softmax (None or 0: off).
 
     Returns:
         `out`, or `(out, counts)` with counts [B, T, 2] int64 when calibrating or `return_skip_counts`.
@@ -151,10 +155,13 @@ def paged_skip_softmax_attention(
             raise ValueError(f"prompt_lens must be [B]=[{batch}], got {tuple(prompt_lens.shape)}")
         prompt_lens = prompt_lens.to(device=q.device, dtype=torch.int32)
     want_counts = calibrate or return_skip_counts
+    softcap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0 or None: off), got {logits_soft_cap!r}")
 
     chosen = _resolve_backend(backend, q, k_cache)
     kwargs = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
-                  calibrate=calibrate, out=out)
+                  calibrate=calibrate, out=out, softcap=softcap)
     if chosen == "triton":
         from .triton_kernel import paged_skip_softmax_attention_triton
 
@@ -196,7 +203,7 @@ def kernel_launcher(backend: str):
 
         launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
-               totals=None) -> counts [B, T, 2] int64, or None
+               totals=None, softcap=0.0) -> counts [B, T, 2] int64, or None
 
     The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
     -inf for dense phases, or None; `gamma` [B, 2] float32; int32 contiguous `prompt_lens`, `cu_seqlens_q`,
@@ -204,8 +211,9 @@ def kernel_launcher(backend: str):
     are neither read nor written). Nothing is checked: `paged_skip_softmax_attention` is the entry that checks.
     `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation); `totals` =
     (phase index [B] int64, totals [phases, 2] int64) also adds trial 0's counts into totals[phase[b]] (serving
-    statistics; inside the op for the compiled CPU kernel); `workspace` and `decode_only` are the Triton kernel's
-    (`triton_kernel.launch_triton`), ignored by the others. Resolved once per backend (cached).
+    statistics; inside the op for the compiled CPU kernel); `softcap` > 0 caps scores (cap·tanh(s / cap));
+    `workspace` and `decode_only` are the Triton kernel's (`triton_kernel.launch_triton`), ignored by the others.
+    Resolved once per backend (cached).
     """
     if backend == "cpu":
         from .cpu_kernel import launch_cpu

@@ -150,6 +150,7 @@ def paged_skip_softmax_attention_cpu(
     out: torch.Tensor,
     counts: torch.Tensor | None = None,
     totals: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Compiled CPU backend (same arguments and result as the reference backend).
 
@@ -157,6 +158,7 @@ def paged_skip_softmax_attention_cpu(
     place. `log_sf` [B, T, 2] float32 or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with
     `calibrate` the output is dense and counts cover all T trials, else T == 1 and each row's drops are applied.
     `counts`: optional contiguous int64 [B, T, 2] buffer the kernel zeroes and fills (no allocation per call).
+    `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax.
     `totals`: optional (phase index [>= B] int64, totals [phases, 2] int64): trial 0's counts of sequence b are also
     added into totals[phase[b]] (serving statistics, inside the op). Returns counts [B, T, 2] int64 or None.
     """
@@ -167,14 +169,14 @@ def paged_skip_softmax_attention_cpu(
     result = op(
         q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k), float(softmax_scale),
         log_sf, gamma, _int32(prompt_lens), bool(calibrate), out, counts if log_sf is not None else None,
-        phase_index, phase_totals,
+        phase_index, phase_totals, float(softcap),
     )
     return result if log_sf is not None else None
 
 
 def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, counts=None, totals=None, max_seqlen_k=None, workspace=None,
-               decode_only=False):  # fmt: skip
+               decode_only=False, softcap=0.0):  # fmt: skip
     """The launch without conversions (the vLLM plugin's plan holds int32 contiguous tensors and float32 laws):
     one call of the compiled op. Same arguments as `paged_skip_softmax_attention_cpu`."""
     op = _state.get("op") or _load()[0]
@@ -182,5 +184,5 @@ def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, so
         raise RuntimeError(f"backend='cpu' is unavailable: {unavailable_reason()}")
     phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)
     result = op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale, log_sf, gamma, prompt_lens,
-                calibrate, out, counts if log_sf is not None else None, phase_index, phase_totals)
+                calibrate, out, counts if log_sf is not None else None, phase_index, phase_totals, softcap)
     return result if log_sf is not None else None

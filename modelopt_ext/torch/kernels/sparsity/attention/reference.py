@@ -89,7 +89,12 @@ def _count(visited, dropped, counts_out, hq: int) -> None:
     counts_out[..., 1] += dropped.sum(dim=(2, 3, 4, 5))
 
 
-def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype):
+def _cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Logit soft-capping, in place: s = cap·tanh(s / cap) (docs/skip_softmax.md; 0 = off)."""
+    return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
+
+
+def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype, softcap=0.0):
     """Sequences with one new row each (decode steps), batched: q [N, Hq, D]; pages [N, P]; kv_lens [N] int64;
     log_lams [N, T] or None. Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
     n, hq, d = q.shape
@@ -99,7 +104,7 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     k = _gather(k_cache, pages, kv_pad, dtype)  # [N, kv_pad, Hkv, D]
     v = _zero_past(_gather(v_cache, pages, kv_pad, dtype), kv_lens)
     qh = q.to(dtype).reshape(n, hkv, group, d)
-    s = torch.matmul(qh, k.permute(0, 2, 3, 1)).mul_(scale)  # [N, Hkv, g, kv_pad]
+    s = _cap(torch.matmul(qh, k.permute(0, 2, 3, 1)).mul_(scale), softcap)  # [N, Hkv, g, kv_pad]
     pos = torch.arange(kv_pad, device=q.device)
     s.masked_fill_((pos.unsqueeze(0) >= kv_lens.unsqueeze(1))[:, None, None, :], -math.inf)
     counts = None
@@ -115,7 +120,7 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     return out.reshape(n, hq, d), counts
 
 
-def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip):
+def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip, softcap=0.0):
     """One sequence with several new rows: q [q_len, Hq, D], k/v [kv_pad, Hkv, D] (compute dtype, v zeroed past
     kv_len). `log_lams_fn(positions [R]) -> [T, R]` or None. Returns (out [q_len, Hq, D], counts [T, 2] or None)."""
     q_len, hq, d = q.shape
@@ -135,7 +140,7 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
         r1 = min(q_len, r0 + rows_per_chunk)
         n_rows = r1 - r0
         kv_end = _ceil_to(offset + r1, TILE_K)  # keys any row of the chunk can see, whole tiles
-        s = torch.matmul(qh[:, :, r0:r1], kt[:, :, :kv_end].unsqueeze(1)).mul_(scale)  # [Hkv, g, R, kv_end]
+        s = _cap(torch.matmul(qh[:, :, r0:r1], kt[:, :, :kv_end].unsqueeze(1)).mul_(scale), softcap)  # [Hkv,g,R,kv]
         first_hidden = offset + r0 + 1  # keys before this are visible to every row of the chunk
         cols = torch.arange(first_hidden, kv_end, device=q.device)
         positions = torch.arange(offset + r0, offset + r1, device=q.device)
@@ -167,18 +172,20 @@ def paged_skip_softmax_attention_reference(
     calibrate: bool,
     out: torch.Tensor,
     counts: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Reference backend of `paged_skip_softmax_attention` (arguments already validated and normalised).
 
     `log_sf` is [B, T, 2] float32 (per trial and phase; -inf = dense) or None (dense, no counts), `gamma` [B, 2]
     the length exponents and `prompt_lens` [B]: ln λ of a row follows docs/skip_softmax.md. With `calibrate` the
     output is dense and counts cover all T trials; otherwise T == 1 and each row's drops are applied.
-    `counts`: optional int64 [B, T, 2] buffer to fill instead of a new tensor. Returns counts [B, T, 2] or None.
+    `counts`: optional int64 [B, T, 2] buffer to fill instead of a new tensor; `softcap` > 0 caps every score
+    (cap·tanh(s / cap)) before the skip test and the softmax. Returns counts [B, T, 2] or None.
     """
     if counts is not None and log_sf is not None:
         counts.copy_(paged_skip_softmax_attention_reference(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
-            gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out,
+            gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, softcap=softcap,
         ))  # fmt: skip
         return counts
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -217,7 +224,7 @@ def paged_skip_softmax_attention_reference(
             )[..., 0]
         o, c = _single_row_batch(
             q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
-            softmax_scale, log_lams, apply_skip, dtype,
+            softmax_scale, log_lams, apply_skip, dtype, softcap,
         )
         out.index_copy_(0, rows, o.to(out.dtype))
         if c is not None:
@@ -237,7 +244,7 @@ def paged_skip_softmax_attention_reference(
                 return row_log_thresholds(log_sf[b : b + 1], gamma[b : b + 1], prompt_lens[b : b + 1],
                                           positions.unsqueeze(0))[0]
         o, c = _multi_row_sequence(
-            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip
+            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap
         )
         out[q0:q1] = o.to(out.dtype)
         if c is not None:

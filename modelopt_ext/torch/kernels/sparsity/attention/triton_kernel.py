@@ -106,12 +106,18 @@ def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, s
 
 
 @triton.jit
-def _scores(q, kt, softmax_scale, FP32_DOT: tl.constexpr):
+def _scores(q, kt, softmax_scale, softcap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     if FP32_DOT:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
         s = tl.dot(q, kt)
-    return s * softmax_scale
+    s = s * softmax_scale
+    if SOFTCAP:  # cap·tanh(s / cap), tanh from exp(-2|x|) (no overflow)
+        x = s / softcap
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        s = softcap * tl.where(x < 0, -t, t)
+    return s
 
 
 @triton.jit
@@ -176,7 +182,7 @@ def _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS: tl.constex
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
-    softmax_scale, num_seqs,
+    softmax_scale, softcap, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -185,6 +191,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
@@ -246,7 +253,7 @@ def _prefill_kernel(
         kt, page_id, slot = _load_k_tile(
             k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
-        s = _scores(q, kt, softmax_scale, FP32_DOT)
+        s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
         tile_max = tl.max(s, axis=1)
         valid = row_in & (kb * BLOCK_K <= pos)
@@ -285,7 +292,7 @@ def _prefill_kernel(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
     ws_acc_ptr, ws_ml_ptr,
-    softmax_scale, max_splits,
+    softmax_scale, softcap, max_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -294,6 +301,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -339,7 +347,7 @@ def _decode_kernel(
         kt0, _p0, _s0 = _load_k_tile(
             k_ptr, bt_row, kpos0, k_in0, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
-        s0 = tl.where(k_in0[None, :], _scores(q, kt0, softmax_scale, FP32_DOT), float("-inf"))
+        s0 = tl.where(k_in0[None, :], _scores(q, kt0, softmax_scale, softcap, FP32_DOT, SOFTCAP), float("-inf"))
         m_anchor = tl.max(s0, axis=1)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -353,7 +361,8 @@ def _decode_kernel(
         kt, page_id, slot = _load_k_tile(
             k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
-        s = tl.where(k_in[None, :], _scores(q, kt, softmax_scale, FP32_DOT), float("-inf"))  # [BLOCK_G, BLOCK_K]
+        s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
+        s = tl.where(k_in[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_K]
         tile_max = tl.max(s, axis=1)
         m_anchor = tl.where(kb == 0, tile_max, m_anchor)
         droppable = g_in & (kb > 0)
@@ -481,6 +490,7 @@ def paged_skip_softmax_attention_triton(
     out: torch.Tensor,
     max_seqlen_k: int | None = None,
     counts: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Triton backend of `paged_skip_softmax_attention` (arguments validated and normalised by the caller).
 
@@ -495,12 +505,13 @@ def paged_skip_softmax_attention_triton(
     return launch_triton(
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
         gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k, counts=counts,
+        softcap=softcap,
     )  # fmt: skip
 
 
 def launch_triton(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
-    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
+    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0,
 ):  # fmt: skip
     """The launch without checks (the vLLM plugin checked geometry once): same arguments as
     `paged_skip_softmax_attention_triton`, plus what makes it allocation-free and CUDA-graph safe:
@@ -508,6 +519,7 @@ def launch_triton(
     - `counts`: a persistent int64 [B, T, 2] buffer, zeroed here on the device and filled (else one is allocated);
     - `workspace`: persistent (accumulators, max/sum) fp32 tensors of at least `semantics.decode_workspace_numel`
       elements for this launch's B, Hq, head size and `max_seqlen_k` (else allocated per call);
+    - `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax (a compiled variant);
     - `decode_only`: the caller knows every sequence has one new row (a uniform decode batch), so the prefill
       grid, whose programs would all exit, is not launched.
 
@@ -555,10 +567,10 @@ def launch_triton(
         grid = (total_q // TILE_Q + batch, num_heads)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
-            float(softmax_scale), batch, *common_strides,
+            float(softmax_scale), float(softcap), batch, *common_strides,
             HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=TILE_Q, BLOCK_K=TILE_K,
             SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
-            FP32_DOT=fp32_dot, num_warps=warps, num_stages=stages,
+            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
     # Decode: (sequence, KV head, split); the number of splits is bounded without reading seq_lens_k.
@@ -576,10 +588,10 @@ def launch_triton(
         ws_acc = ws_ml = _placeholder(device, torch.float32)  # never read or written with one split
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law, ws_acc, ws_ml,
-        float(softmax_scale), max_splits, *common_strides,
+        float(softmax_scale), float(softcap), max_splits, *common_strides,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
-        N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot,
+        N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if max_splits > 1:

@@ -7,7 +7,8 @@ into paged views and calls the same `paged_skip_softmax_attention` kernel the vL
 calibration counts are the counts vLLM serving skips.
 
 Not supported (clear errors naming the model / attention class): padded batches or any mask other than plain
-causal, sliding window, logit soft-capping, attention sinks, non-causal attention, attention dropout, paged caches.
+causal, sliding window, attention sinks, non-causal attention, attention dropout, paged caches (logit soft-capping is
+applied by the kernels).
 """
 
 from __future__ import annotations
@@ -188,11 +189,6 @@ def check_module_supported(module: nn.Module, hf_config: Any = None) -> None:
             f"{cls}: sliding-window attention (window {sliding}) is not supported; disable sparse attention for "
             "these layers (mtsa.disable_sparse_attention(model, pattern)) or use a full-attention model"
         )
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    if softcap is None and cfg is not None:
-        softcap = getattr(cfg, "attn_logit_softcapping", None)
-    if softcap:
-        raise UnsupportedModelError(f"{cls}: attention logit soft-capping ({softcap}) is not supported")
     if getattr(module, "sinks", None) is not None:
         raise UnsupportedModelError(f"{cls}: attention sinks are not supported")
 
@@ -203,8 +199,8 @@ def _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs) 
         raise UnsupportedModelError(f"{where}: attention dropout ({dropout}) is not supported; call model.eval()")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise UnsupportedModelError(f"{where}: non-causal attention is not supported by skip-softmax attention")
-    for kw, what in (("sliding_window", "sliding-window attention"), ("softcap", "logit soft-capping"),
-                     ("s_aux", "attention sinks"), ("position_bias", "position-bias attention")):  # fmt: skip
+    for kw, what in (("sliding_window", "sliding-window attention"), ("s_aux", "attention sinks"),
+                     ("position_bias", "position-bias attention")):  # fmt: skip
         if kwargs.get(kw) is not None:
             raise UnsupportedModelError(f"{where}: {what} is not supported by skip-softmax attention")
     if kwargs.get("cache") is not None:
@@ -267,7 +263,7 @@ def skip_softmax_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs)
-    out, counts = run_skip_softmax(state, query, key, value, scaling)
+    out, counts = run_skip_softmax(state, query, key, value, scaling, softcap=kwargs.get("softcap"))
     return out, None
 
 
@@ -296,8 +292,10 @@ def run_skip_softmax(
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call the kernel on HF-layout tensors; returns ([B, q, Hq, D], counts or None) and records stats/calibration."""
+    """Call the kernel on HF-layout tensors; returns ([B, q, Hq, D], counts or None) and records stats/calibration.
+    `softcap`: the model's logit soft-cap (transformers passes Gemma 2's `attn_logit_softcapping` as `softcap`)."""
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     prompt = _PROMPT.get()
@@ -316,7 +314,7 @@ def run_skip_softmax(
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     prompt_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
-    common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens)
+    common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens, logits_soft_cap=softcap)
     if state.collector is not None:
         if state.collector.law is None:
             # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.

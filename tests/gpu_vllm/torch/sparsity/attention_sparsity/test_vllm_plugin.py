@@ -327,12 +327,11 @@ def test_install_swaps_impl_and_backend_and_uninstall_restores_both(make_layer):
 def test_install_validates_every_layer_before_changing_any(make_layer):
     good = make_layer("flashinfer", head_size=D)
     window = make_layer("flashinfer", head_size=D, per_layer_sliding_window=128)
-    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
     cpu = "cpu_attn" if "cpu_attn" in _SUPPORTED else "flash_attn"
     alibi = make_layer(cpu, head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
     fp8 = make_layer("flash_attn", head_size=D)
     fp8.impl.kv_cache_dtype = "fp8_e4m3"
-    bad = [(window, "sliding window"), (capped, "soft-cap"), (alibi, "ALiBi"), (fp8, "FP8")]
+    bad = [(window, "sliding window"), (alibi, "ALiBi"), (fp8, "FP8")]
     if cpu == "cpu_attn":
         neon = make_layer("cpu_attn", head_size=D)
         neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout ('amx' is served on 'vec')
@@ -349,24 +348,28 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
 def test_install_refusal_is_one_line_per_reason(make_layer):
     """Thirty layers refused for one reason make one line ("30 layers (first, second, ..., last): reason")."""
     windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(5)]
-    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
+    fp8 = make_layer("flash_attn", head_size=D)
+    fp8.impl.kv_cache_dtype = "fp8_e4m3"
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention([*windows, capped], _settings(sf_prefill=4.0), strict=True)
+        plug.install_sparse_attention([*windows, fp8], _settings(sf_prefill=4.0), strict=True)
     lines = str(err.value).splitlines()
     assert "6 layer(s)" in lines[0] and len(lines) == 3
     window_line = next(line for line in lines if "sliding window" in line)
     names = [w.layer_name for w in windows]
     assert window_line.startswith(f"  5 layers ({names[0]}, {names[1]}, ..., {names[-1]}): sliding window")
-    assert f"  1 layer ({capped.layer_name}): logit soft-cap 30.0 is not supported" in lines
+    assert f"  1 layer ({fp8.layer_name}): quantized KV cache ['fp8_e4m3'] (FP8/NVFP4) is not supported" in " ".join(
+        lines
+    )
 
 
 def test_layers_that_cannot_run_sparse_are_kept_dense_on_their_own_backend(make_layer, caplog, monkeypatch):
-    """Default (not strict): a hybrid model's windowed and soft-capped layers keep vLLM's own backend and impl,
-    unchanged, one log line per reason; the other layers go sparse. MODELOPT_EXT_SPARSE_ATTN_STRICT=1 refuses."""
-    good = [make_layer("flash_attn", head_size=D) for _ in range(2)]
+    """Default (not strict): a hybrid model's windowed and ALiBi layers keep vLLM's own backend and impl,
+    unchanged, one log line per reason; the other layers go sparse (a soft-capped one too: the kernels cap scores).
+    MODELOPT_EXT_SPARSE_ATTN_STRICT=1 refuses."""
+    good = [make_layer("flash_attn", head_size=D), make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)]
     windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(3)]
-    capped = make_layer("flash_attn", head_size=D, logits_soft_cap=30.0)
-    dense = [*windows, capped]
+    alibi = make_layer("flash_attn", head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
+    dense = [*windows, alibi]
     natives = [(type(layer.impl), layer.attn_backend) for layer in dense]
     monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
     with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
@@ -560,3 +563,64 @@ def test_install_on_a_model_walks_its_attention_layers(make_layer):
     assert set(plug.get_sparsity_stats(model)) == set(report.installed)
     with pytest.raises(ValueError, match="no vLLM attention layers"):
         plug.install_sparse_attention(torch.nn.Linear(2, 2), _settings(sf_decode=4.0))
+
+
+@pytest.mark.parametrize("backend", _SUPPORTED)
+def test_soft_capped_layer_serves_sparse_with_capped_scores(backend, make_layer):
+    """A layer with vLLM's `logits_soft_cap` (Gemma 2) goes sparse and its forward caps scores before the skip
+    test and the softmax: equal to the public API with `logits_soft_cap` on the same inputs (float32, atol 1e-5),
+    and different from the uncapped result (the cap, 2.0, bends these scores)."""
+    cap = 2.0
+    layer = make_layer(backend, head_size=D, logits_soft_cap=cap)
+    report = plug.install_sparse_attention([layer], _settings(sf_prefill=30.0, sf_decode=30.0))
+    assert report.installed == [layer.layer_name] and layer.impl._modelopt_sparse.softcap == cap
+    batch = make_batch([5, 1], [120, 200], dim=D, page=PAGE, num_blocks=NB)
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    layer.impl.do_kv_cache_update(layer, batch.k_new, batch.v_new, cache.kv_cache, batch.slot_mapping)
+    metadata = backend_metadata(layer, batch)
+    plan = getattr(metadata, plug.PLAN_ATTR)
+    assert not plan.dense
+    out = torch.full((batch.num_tokens, 4, D), math.nan)
+    layer.impl.forward(layer, batch.q, None, None, cache.kv_cache, metadata, output=out)
+    kc, vc = contiguous_caches(batch, NB, PAGE, torch.float32)
+    kw = dict(softmax_scale=D**-0.5, log_scale_factors=plan.log_scale_factors, prompt_lens=plan.prompt_lens,
+              backend="torch")  # fmt: skip
+    args = (batch.q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    torch.testing.assert_close(out, paged_skip_softmax_attention(*args, logits_soft_cap=cap, **kw), atol=1e-5, rtol=0)
+    assert (out - paged_skip_softmax_attention(*args, **kw)).abs().max() > 1e-2
+
+
+def test_targets_pick_the_attention_classes_that_go_sparse(make_layer, caplog):
+    """`targets` lists attention classes: vLLM's layer class (`Attention`) or its parent module's (the model's
+    attention class). Layers of other classes are served dense like ignored ones; targets that name no class of the
+    model are not applied, with a warning naming the model's classes (never a silent all-dense)."""
+
+    class FooAttention(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.attn = layer
+
+    class BarAttention(FooAttention):
+        pass
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(
+        [FooAttention(make_layer("flash_attn", head_size=D)), BarAttention(make_layer("flash_attn", head_size=D))]
+    )
+    foo, bar = (m.attn.layer_name for m in model.layers)
+    phase = PhaseCalibration(a=4.0, b=0.0, target_sparsity=0.5)
+
+    def install(targets):
+        settings = SparseAttentionSettings(prefill=phase, decode=None, attention_classes=targets)
+        return plug.install_sparse_attention(model, settings)
+
+    report = install(("FooAttention",))
+    assert report.installed == [foo] and report.disabled == [bar]
+    report = install(("Attention",))
+    assert sorted(report.sparse) == sorted([foo, bar])
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        report = install(("MistralAttention",))
+    assert report.disabled == []
+    said = [r.getMessage() for r in caplog.records if "name no attention class" in r.getMessage()]
+    assert len(said) == 1 and "BarAttention" in said[0] and "FooAttention" in said[0]

@@ -297,6 +297,7 @@ struct Params {
   void* out;
   int64_t so0, so1, so2;
   float scale;
+  float softcap;  // > 0: scores are cap * tanh(s / cap) before the skip test and the softmax
   const float* log_sf;  // [B, T, 2] or null (dense, no counts)
   const float* gamma;   // [B, 2]
   bool calibrate;
@@ -649,6 +650,12 @@ class Kernel {
       vf mx = ninf;
       for (int j = 0; j < kTileK; j += kLanes) {
         vf x = loadv(sr + j) * scale;
+        if (p.softcap > 0.f) {  // logit soft-capping (Gemma 2), lane by lane
+          alignas(64) float lanes[kLanes];
+          storev(lanes, x);
+          for (int l = 0; l < kLanes; ++l) lanes[l] = p.softcap * std::tanh(lanes[l] / p.softcap);
+          x = loadv(lanes);
+        }
         if (j + kLanes > lim) {
           const vi lv = vi{} + static_cast<int32_t>(std::max<int64_t>(lim, -1));
           x = iota(j) < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
@@ -790,7 +797,7 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& prompt_lens, bool calibrate, at::Tensor out,
                                   const std::optional<at::Tensor>& counts_out,
                                   const std::optional<at::Tensor>& phase_index,
-                                  const std::optional<at::Tensor>& phase_totals) {
+                                  const std::optional<at::Tensor>& phase_totals, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && out.dim() == 3,
               "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D], out [N, Hq, D]");
@@ -854,6 +861,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.so1 = out.stride(1);
   p.so2 = out.stride(2);
   p.scale = static_cast<float>(softmax_scale);
+  TORCH_CHECK(softcap >= 0.0, "skip_softmax_attention: softcap must be >= 0 (0: off)");
+  p.softcap = static_cast<float>(softcap);
   p.calibrate = calibrate;
   p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
   p.k_direct = p.sk1 == 1 && p.page % p.kc == 0;
@@ -927,7 +936,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
   m.def(
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
-      "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None) -> Tensor");
+      "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }

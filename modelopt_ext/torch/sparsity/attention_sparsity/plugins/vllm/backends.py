@@ -197,6 +197,16 @@ class _SparseBuilderMixin:
             context.prompt_lens.name if context.prompt_lens is not None
             else f"the kernel's default rule ({context.prompt_lens_reason})",
         )
+        if context.prompt_lens is None and not context.serves_dense:
+            context.log_once(
+                "prompt-lens-fallback",
+                "sparse attention: this engine gives no per-request prompt lengths (%s); the kernel's default rule "
+                "applies (a query of one token is decode, a longer one all prompt). What it costs: the chunks of a "
+                "chunked prompt get the chunk's end instead of the prompt length as law length, and "
+                "speculative-decoding verification rows are taken for prompt rows, so those rows skip differently "
+                "from calibration (docs/skip_softmax.md, 'λ of a row')",
+                context.prompt_lens_reason, level=logging.WARNING,
+            )  # fmt: skip
         if context.serves_dense:
             return super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
         bound = self._modelopt_plan_bound(common_attn_metadata)

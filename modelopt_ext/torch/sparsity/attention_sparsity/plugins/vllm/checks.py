@@ -12,6 +12,7 @@ any weight loads) where it can be predicted, per layer at install otherwise.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -89,8 +90,9 @@ def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
         reasons.append(f"sliding window {window} is not supported")
     if getattr(impl, "alibi_slopes", None) is not None:
         reasons.append("ALiBi is not supported")
-    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
-        reasons.append(f"logit soft-cap {impl.logits_soft_cap} is not supported")
+    cap = getattr(impl, "logits_soft_cap", None)
+    if cap not in (None, 0, 0.0) and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        reasons.append(f"logit soft-cap {cap!r} is not a positive number")
     dtypes = {
         getattr(impl, "cache_dtype", None),
         getattr(impl, "kv_cache_dtype", None),

@@ -59,6 +59,7 @@ class _LayerState:
     kv_first: bool | None = None  # FlashAttention 5D caches only
     native_backend: type | None = None  # the layer's attn_backend before install (restored by uninstall)
     isa: str | None = None  # CPU attention: the ISA the metadata builder chose (checked when it was built)
+    softcap: float = 0.0  # the layer's logit soft-cap (Gemma 2; 0: none), applied by the kernels
     phase_counts: torch.Tensor | None = None  # [2 phases (prefill, decode), 2 (visited, skipped)] int64, in place
     records: list = field(default_factory=list)  # calibration: (counts [B,T,2], law_lens [B], is_decode [B])
     kv_writes: int = 0
@@ -164,6 +165,7 @@ class _SparseImplMixin:
             softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
             prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
             counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only, totals=totals,
+            softcap=state.softcap,
         )  # fmt: skip
         if calibrate:
             law_lens, is_decode = plan.record_keys()

@@ -13,7 +13,7 @@ covers can be (re)configured.
 
 Every reason a layer cannot run sparse is found (plugins/vllm/checks.py) before anything changes, and reported in one
 ValueError, one line per reason:
-unsupported attention features (sinks, sliding window, ALiBi, soft-cap, encoder/cross attention, MLA, DCP,
+unsupported attention features (sinks, sliding window, ALiBi, encoder/cross attention, MLA, DCP,
 quantized KV cache, V head size != K head size), head sizes / dtypes / page sizes the chosen kernel does not cover,
 an unmeasured CPU ISA, a cache layout the views do not know, and a layer whose metadata builder is vLLM's native one.
 What is only known when vLLM builds the KV cache (the kernel block size, the CPU ISA) is checked by the sparse
@@ -109,6 +109,40 @@ def _layers(model_or_layers) -> list[tuple[str, object]]:
         if _is_attention_layer(layer):
             out.append((getattr(layer, "layer_name", None) or name, layer))
     return out
+
+
+def _attention_classes(model_or_layers, layers) -> dict[str, set[str]]:
+    """Per layer name, the class names `targets` may list: the layer's own (vLLM's `Attention`) and, when a model is
+    given, its parent module's (vLLM's model attention class, e.g. `LlamaAttention`, usually named as in
+    transformers)."""
+    classes = {name: {type(layer).__name__} for name, layer in layers}
+    if isinstance(model_or_layers, torch.nn.Module) and not _is_attention_layer(model_or_layers):
+        for path, module in model_or_layers.named_modules():
+            if _is_attention_layer(module) and "." in path:
+                parent = model_or_layers.get_submodule(path.rsplit(".", 1)[0])
+                classes.setdefault(getattr(module, "layer_name", None) or path, set()).add(type(parent).__name__)
+    return classes
+
+
+def _untargeted(settings: SparseAttentionSettings | None, classes: dict[str, set[str]]) -> set[str]:
+    """Layers whose classes the checkpoint's `targets` do not list: served dense, like the ignore list.
+
+    Targets that name no class of this vLLM model (transformers and vLLM name some attention classes differently,
+    e.g. vLLM serves Mistral with its Llama classes) are not applied, with a warning: a checkpoint never goes dense
+    silently because of a class name.
+    """
+    wanted = set(settings.attention_classes or ()) if settings is not None else set()
+    if not wanted:
+        return set()
+    present = set().union(*classes.values()) if classes else set()
+    if not wanted & present:
+        logger.warning(
+            "sparse attention: targets %s name no attention class of this vLLM model (its classes: %s), so targets "
+            "is not applied: every attention layer goes sparse unless ignored. Write this model's class names into "
+            "targets to restrict which layers go sparse", sorted(wanted), ", ".join(sorted(present)) or "-",
+        )  # fmt: skip
+        return set()
+    return {name for name, names in classes.items() if not wanted & names}
 
 
 def _kv_cache_bound(layer) -> bool:
@@ -235,7 +269,8 @@ def install_sparse_attention(
     report = SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
     report.prompt_lens = source.name if source is not None else f"kernel default ({reason})"
 
-    targets = _sort_layers(layers, settings, kernel_backend, config, report)
+    untargeted = _untargeted(settings, _attention_classes(model_or_layers, layers))
+    targets = _sort_layers(layers, settings, kernel_backend, config, report, untargeted)
     _warn_unmatched_ignores(settings, [name for name, _ in layers])
     _keep_dense(layers, settings, report, strict_mode() if strict is None else bool(strict))
     context, unchanged = _engine_context(targets, new, source, report)
@@ -273,11 +308,12 @@ def _checked_mode(mode, backend, settings, calibration_scale_factors, calibratio
     return trials, None
 
 
-def _sort_layers(layers, settings, kernel_backend: str, config, report) -> list:
-    """The layers that can run sparse; the others go to `report.disabled` (ignore list) or `report.kept_dense`."""
+def _sort_layers(layers, settings, kernel_backend: str, config, report, untargeted=frozenset()) -> list:
+    """The layers that can run sparse; the others go to `report.disabled` (ignore list, not in `targets`) or
+    `report.kept_dense`."""
     targets = []
     for name, layer in layers:
-        if _disabled(name, settings):
+        if _disabled(name, settings) or name in untargeted:
             report.disabled.append(name)
             continue
         reasons = _unsupported(layer, layer.impl, kernel_backend, config)
@@ -363,6 +399,7 @@ def _make_sparse(name: str, layer, context: SparseAttentionContext, unchanged: b
         writes_in_forward=forward_writes_kv_cache(native_backend),
         kv_first=flash_attn_kv_first(native_backend, impl.head_size) if kind == "flash_attn" else None,
         isa=getattr(layer, "isa", None) if kind == "cpu_attn" else None,
+        softcap=float(getattr(impl, "logits_soft_cap", None) or 0.0),
     )
     state.native_backend = getattr(layer, "attn_backend", None) or native_backend
     setattr(sparse, _STATE_ATTR, state)
