@@ -179,3 +179,46 @@ def test_plain_vllm_serve_stops_before_weights_with_the_field_last(smollm2_check
     assert FIELD in lines[-1], output[-3000:]
     assert "Loading weights" not in output and "Initializing a V1 LLM engine" not in output, output[-3000:]
     assert elapsed < 90, f"start-up took {elapsed:.0f} s before failing"
+
+
+def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeypatch, caplog):
+    """Sliding-window layers (from the model's `layer_types`, as Gemma 2/3 and gpt-oss declare them) and a quantized
+    KV cache are found in the engine config, before any weight loads: one line per reason naming which layers; said
+    once (those layers keep vLLM's backend), or an error in strict mode."""
+    hf = vllm_config.model_config.hf_text_config
+    monkeypatch.setattr(hf, "sliding_window", 64, raising=False)
+    monkeypatch.setattr(hf, "layer_types", ["sliding_attention", "full_attention"] * 3, raising=False)
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
+    assert checks.predicted_dense_layers(vllm_config) == [
+        ("3 of 6 attention layers (0, 2, 4: sliding_attention)", "sliding window 64 is not supported")
+    ]
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        checks.check_engine_config(vllm_config)
+    said = [r.getMessage() for r in caplog.records if "served dense by vLLM's own backend" in r.getMessage()]
+    assert len(said) == 1 and "3 of 6 attention layers" in said[0]
+
+    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "fp8_e4m3")
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", "1")
+    with pytest.raises(ValueError) as err:
+        checks.check_engine_config(vllm_config)
+    lines = str(err.value).splitlines()
+    assert lines[1].startswith("  every attention layer: quantized KV cache 'fp8_e4m3'")
+    assert "--kv-cache-dtype auto" in lines[1]
+    assert lines[2].startswith("  3 of 6 attention layers") and len(lines) == 3
+
+    monkeypatch.setattr(hf, "layer_types", ["full_attention"] * 6, raising=False)
+    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "auto")
+    assert checks.predicted_dense_layers(vllm_config) == []
+
+
+def test_engine_config_predicts_a_head_size_the_triton_kernel_does_not_cover(vllm_config, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(vllm_config.device_config, "device_type", "cuda")
+    monkeypatch.setattr(vllm_config.model_config, "get_head_size", lambda: 512)
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_BACKEND", raising=False)
+    assert checks.predicted_startup_problems(vllm_config) == [
+        "head size 512 is outside the Triton kernel's 16..256 (MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch runs the slow "
+        "reference)"
+    ]
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_BACKEND", "torch")
+    assert checks.predicted_startup_problems(vllm_config) == []

@@ -2,8 +2,9 @@
 any weight loads) where it can be predicted, per layer at install otherwise.
 
 - `check_checkpoint_config(model_config)`: the checkpoint's `sparse_attention_config`, validated (one line naming
-  the field); `check_engine_config(vllm_config)`: what the engine config says no layer can run (a CPU attention ISA
-  whose cache layout the kernels do not read), one line per reason.
+  the field); `check_engine_config(vllm_config)`: which layers the engine config already says will be served dense
+  (sliding window from the model's layer types, a quantized KV cache, MLA, a CPU attention ISA whose cache layout the
+  kernels do not read), one line per reason; an error in strict mode.
 - `_unsupported(layer, impl, kernel_backend, config)`: each reason one layer cannot run sparse; install reports
   them all at once, one line per reason (`refusal_message`).
 - `resolve_kernel_backend(backend, config)`: the kernel backend "auto" stands for on this engine, decided once.
@@ -19,7 +20,7 @@ import torch
 from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
 from .backends import kernel_page_problem, native_backend_of
 from .compat import cache_layout_problem, cpu_attn_isa, vllm_facts
-from .env import ENV_ENABLE, sparse_attention_enabled, strict_mode
+from .env import ENV_ENABLE, ENV_STRICT, kernel_backend_choice, sparse_attention_enabled, strict_mode
 from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
 from .kv_cache import cpu_isa_problem
 
@@ -166,19 +167,70 @@ def refusal_message(head: str, problems) -> str:
     return "\n".join([head, *lines])
 
 
+EVERY_LAYER = "every attention layer"
+
+
 def predicted_startup_problems(vllm_config) -> list[str]:
     """What stops every attention layer of this engine from running sparse, predicted from the engine config
-    alone (no model, no weights): the CPU attention ISA from dtype, page size and head size."""
+    alone (no model, no weights)."""
+    return [reason for which, reason in predicted_dense_layers(vllm_config) if which == EVERY_LAYER]
+
+
+def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
+    """`(which layers, why)` the engine config alone says will be served dense (no model, no weights): the CPU
+    attention ISA (dtype, page size, head size), a quantized KV cache, MLA, and sliding-window layers (per layer
+    from `layer_types`, e.g. Gemma 2/3, gpt-oss; all layers when the model has one window and no layer types).
+    The install finds the same per layer once the model exists; this says it before any weight loads."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if model is None:
+        return []
+    out = []
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
-    model_config = getattr(vllm_config, "model_config", None)
-    if device != "cpu" or model_config is None:
+    if device == "cpu":
+        try:
+            problem = cpu_isa_problem(_predicted_cpu_isa(vllm_config, int(model.get_head_size())))
+        except Exception:  # noqa: BLE001 - no uniform head size: install checks each layer
+            problem = None
+        if problem is not None:
+            out.append((EVERY_LAYER, problem))
+    if device == "cuda" and kernel_backend_choice() in ("auto", "triton"):
+        try:
+            from modelopt_ext.torch.kernels.sparsity.attention.triton_kernel import MAX_HEAD_DIM, MIN_HEAD_DIM
+
+            head = int(model.get_head_size())
+        except Exception:  # noqa: BLE001 - no Triton (said when the backend resolves), or no uniform head size
+            head = None
+        if head is not None and not MIN_HEAD_DIM <= head <= MAX_HEAD_DIM:
+            out.append((EVERY_LAYER, f"head size {head} is outside the Triton kernel's {MIN_HEAD_DIM}..{MAX_HEAD_DIM} "
+                                     "(MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch runs the slow reference)"))
+    cache_dtype = getattr(cache, "cache_dtype", "auto")
+    if isinstance(cache_dtype, str) and cache_dtype not in _UNQUANTIZED_KV_DTYPES:
+        out.append((EVERY_LAYER, f"quantized KV cache {cache_dtype!r} (FP8/NVFP4) is not supported; serve with "
+                                 "--kv-cache-dtype auto"))
+    if getattr(model, "use_mla", False) is True:
+        out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
+    out += _predicted_sliding_layers(model)
+    return out
+
+
+def _predicted_sliding_layers(model) -> list[tuple[str, str]]:
+    hf = getattr(model, "hf_text_config", None)
+    window = getattr(hf, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(model, "disable_sliding_window", False):
         return []
-    try:
-        head_size = int(model_config.get_head_size())
-    except Exception:  # noqa: BLE001 - models without a uniform head size: install checks each layer
+    layer_types = getattr(hf, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        sliding = [i for i, kind in enumerate(layer_types) if "sliding" in str(kind)]
+        if not sliding:
+            return []
+        which = EVERY_LAYER if len(sliding) == len(layer_types) else (
+            f"{len(sliding)} of {len(layer_types)} attention layers ({', '.join(map(str, sliding[:3]))}"
+            f"{', ...' if len(sliding) > 3 else ''}: {layer_types[sliding[0]]})")
+        return [(which, f"sliding window {window} is not supported")]
+    if getattr(hf, "use_sliding_window", True) is False:
         return []
-    problem = cpu_isa_problem(_predicted_cpu_isa(vllm_config, head_size))
-    return [problem] if problem is not None else []
+    return [(EVERY_LAYER, f"sliding window {window} is not supported")]
 
 
 def _predicted_cpu_isa(config, head_size) -> str | None:
@@ -214,19 +266,24 @@ def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
 
 
 def check_engine_config(vllm_config) -> None:
-    """What the engine config already says no layer can run sparse (e.g. a CPU attention ISA whose cache layout the
-    kernels do not read), before any weight loads, one line per reason: an error in strict mode
-    (MODELOPT_EXT_SPARSE_ATTN_STRICT=1), else said once, and the engine serves dense."""
-    problems = predicted_startup_problems(vllm_config)
-    if not problems:
+    """What the engine config already says about the attention layers, before any weight loads, one line per
+    reason: layers that will be served dense (sliding window, a quantized KV cache, MLA, a CPU attention ISA whose
+    cache layout the kernels do not read). Strict mode (MODELOPT_EXT_SPARSE_ATTN_STRICT=1): an error. Else said once;
+    such layers keep vLLM's own backend (the engine serves dense when no layer is left)."""
+    predicted = predicted_dense_layers(vllm_config)
+    if not predicted:
         return
     model = getattr(getattr(vllm_config, "model_config", None), "model", "?")
+    every = any(which == EVERY_LAYER for which, _ in predicted)
     if strict_mode():
-        raise ValueError("\n".join([f"sparse attention cannot serve {model} on this engine:",
-                                    *(f"  every attention layer: {p}; or set {ENV_ENABLE}=0 to serve dense"
-                                      for p in problems)]))
-    logger.warning("\n".join([f"sparse attention: no attention layer of {model} can run sparse on this engine; "
-                              "serving dense:", *(f"  every attention layer: {p}" for p in problems)]))
+        raise ValueError("\n".join([f"sparse attention cannot serve {model} on this engine "
+                                    f"({ENV_STRICT}=1: every layer sparse or an error):",
+                                    *(f"  {which}: {reason}; or set {ENV_ENABLE}=0 to serve dense"
+                                      for which, reason in predicted)]))  # fmt: skip
+    head = (f"sparse attention: no attention layer of {model} can run sparse on this engine; serving dense:" if every
+            else f"sparse attention: {model}: these attention layers will be served dense by vLLM's own backend "
+                 "(found in the engine config, before any weight loads):")  # fmt: skip
+    logger.warning("\n".join([head, *(f"  {which}: {reason}" for which, reason in predicted)]))
 
 
 def _native_impl_cls(impl) -> type:
