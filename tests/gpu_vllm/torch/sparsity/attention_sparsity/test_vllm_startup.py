@@ -210,6 +210,14 @@ def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeyp
     monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "auto")
     assert checks.predicted_dense_layers(vllm_config) == []
 
+    # Llama 4: layers with RoPE get vLLM's chunk-local attention (every 4th layer is a global NoPE layer)
+    monkeypatch.setattr(hf, "attention_chunk_size", 8192, raising=False)
+    monkeypatch.setattr(hf, "no_rope_layers", [1, 1, 1, 0] * 2, raising=False)
+    assert checks.predicted_dense_layers(vllm_config) == [
+        ("6 of 8 attention layers (0, 1, 2, ...: chunk-local)",
+         "chunk-local attention (8192-token chunks) keeps vLLM's own backend")
+    ]
+
 
 def test_engine_config_predicts_a_head_size_the_triton_kernel_does_not_cover(vllm_config, monkeypatch):
     pytest.importorskip("triton")

@@ -211,7 +211,29 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
     if getattr(model, "use_mla", False) is True:
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
     out += _predicted_sliding_layers(model)
+    out += _predicted_chunk_local_layers(model)
     return out
+
+
+def _layer_list(indices: list[int], total: int, kind: str) -> str:
+    if len(indices) == total:
+        return EVERY_LAYER
+    shown = ", ".join(map(str, indices[:3])) + (", ..." if len(indices) > 3 else "")
+    return f"{len(indices)} of {total} attention layers ({shown}: {kind})"
+
+
+def _predicted_chunk_local_layers(model) -> list[tuple[str, str]]:
+    """Llama 4: vLLM gives layers with RoPE (`no_rope_layers[i] != 0`) chunk-local attention when the config sets
+    `attention_chunk_size`; vLLM's chunk-local backend is kept as it is."""
+    hf = getattr(model, "hf_text_config", None)
+    chunk, rope = getattr(hf, "attention_chunk_size", None), getattr(hf, "no_rope_layers", None)
+    if not chunk or not isinstance(rope, (list, tuple)) or not rope:
+        return []
+    local = [i for i, uses_rope in enumerate(rope) if uses_rope]
+    if not local:
+        return []
+    return [(_layer_list(local, len(rope), "chunk-local"),
+             f"chunk-local attention ({chunk}-token chunks) keeps vLLM's own backend")]  # fmt: skip
 
 
 def _predicted_sliding_layers(model) -> list[tuple[str, str]]:
@@ -224,10 +246,8 @@ def _predicted_sliding_layers(model) -> list[tuple[str, str]]:
         sliding = [i for i, kind in enumerate(layer_types) if "sliding" in str(kind)]
         if not sliding:
             return []
-        which = EVERY_LAYER if len(sliding) == len(layer_types) else (
-            f"{len(sliding)} of {len(layer_types)} attention layers ({', '.join(map(str, sliding[:3]))}"
-            f"{', ...' if len(sliding) > 3 else ''}: {layer_types[sliding[0]]})")
-        return [(which, f"sliding window {window} is not supported")]
+        return [(_layer_list(sliding, len(layer_types), str(layer_types[sliding[0]])),
+                 f"sliding window {window} is not supported")]  # fmt: skip
     if getattr(hf, "use_sliding_window", True) is False:
         return []
     return [(EVERY_LAYER, f"sliding window {window} is not supported")]
