@@ -10,6 +10,7 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
     impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
     backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)
+    cudagraphs.py   what the builders declare for CUDA graphs (full decode graphs after a start-up self-test)
     checks.py       every reason a layer cannot run sparse: predicted from the engine config, or per layer
     install.py      install / uninstall: every layer checked before any changes
     stats.py        realized sparsity and calibration records

@@ -47,7 +47,6 @@ class SparsePlan:
     """Tensors of one step, sliced to its B sequences (views of the planner's persistent buffers)."""
 
     num_reqs: int
-    num_tokens: int  # host: the step's real query rows (vLLM's num_actual_tokens; later rows are padding)
     block_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32, new tokens included
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -189,7 +188,6 @@ class SparsePlanner:
         max_seq_len = int(cam.max_seq_len) if graph_bound is None else int(graph_bound)
         plan = SparsePlan(
             num_reqs=b,
-            num_tokens=int(cam.num_actual_tokens),
             block_table=cam.block_table_tensor[:b],
             seq_lens=seq_lens,
             query_start_loc=qsl,
