@@ -40,8 +40,10 @@ def cuda_graph_capture(fn: Callable[[], object]) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    replay = graph.replay
-    replay.graph = graph  # keep the graph (and its memory pool) alive as long as the replay
+
+    def replay() -> None:  # holds the graph (and its memory pool) as long as the replay lives
+        graph.replay()
+
     return replay
 
 
