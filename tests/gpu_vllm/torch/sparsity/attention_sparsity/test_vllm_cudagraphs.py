@@ -34,6 +34,7 @@ from vllm_plugin_testlib import (  # noqa: E402
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel  # noqa: E402
+from modelopt_ext.torch.kernels.sparsity.attention.api import triton_available  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
     PhaseCalibration,
     SparseAttentionSettings,
@@ -229,3 +230,27 @@ def test_switching_the_captured_path_is_refused(monkeypatch):
         plug.install_sparse_attention(layers, None, mode="calibrate", calibration_scale_factors=[10.0], backend=backend)
     with pytest.raises(ValueError, match="cannot switch to dense"):
         plug.install_sparse_attention(layers, SparseAttentionSettings(prefill=None, decode=None), backend=backend)
+
+
+def test_the_cuda_decision_runs_the_self_test_at_the_engine_shapes(monkeypatch, caplog):
+    """`auto` on a CUDA engine with the Triton kernel runs the self-test at the engine's shapes; here (no GPU) the
+    self-test itself fails for real, so the decision is NEVER with the self-test's reason, logged, never raised."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import cudagraphs
+
+    if not triton_available():
+        pytest.skip("no triton")
+    monkeypatch.setenv(ENV_CUDAGRAPH, "auto")
+    config, layers = _engine("flash_attn", kernel="triton")
+    spec = kv_cache_spec(PAGE, HKV, D)
+    assert cudagraphs.self_test_shapes(config, spec) == {
+        "num_heads": 4, "num_kv_heads": HKV, "head_size": D, "page_size": PAGE,
+        "max_model_len": config.model_config.max_model_len, "dtype": torch.float32,
+    }  # fmt: skip
+    monkeypatch.setattr(config.device_config, "device", torch.device("cuda"))
+    context = layers[0].impl._modelopt_sparse.context
+    with caplog.at_level("INFO", logger="modelopt_ext"):
+        decision = cudagraphs.decide(config, spec, context)
+    assert not decision.full and decision.reason.startswith("the start-up self-test failed (")
+    assert any("CUDA-graph self-test" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    support = layers[0].attn_backend.get_builder_cls().get_cudagraph_support(config, spec)
+    assert support == plug.vllm_facts().cg_support.NEVER
