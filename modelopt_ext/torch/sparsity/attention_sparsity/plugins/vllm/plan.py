@@ -18,8 +18,8 @@ What the kernel gets per sequence (docs/skip_softmax.md, version 2):
   `prompt_len`) and the law's length n (`prompt_len` for a prefill sequence, `kv_len` for a decode one).
 
 CUDA graphs. Every tensor above is a view of a persistent buffer sized by `max_num_seqs` and allocated when the
-builder is created; `build` writes into them in place (host prompt lengths through a pinned staging buffer and one
-non-blocking copy; phases and lengths by device ops). The law buffers depend only on the settings and are rewritten
+builder is created; `build` writes into them in place (host prompt lengths through one of two pinned staging buffers,
+used in turn, and one non-blocking copy; phases and lengths by device ops). The law buffers depend only on the settings and are rewritten
 only when the settings change; the serving counts and the Triton kernel's split-K workspace are persistent too.
 When the builder runs full decode graphs (plugins/vllm/cudagraphs.py), a uniform decode batch gets a
 capture-safe plan (`graph_bound`): the kernel's decode grid is sized from `max_model_len` instead of this step's
@@ -105,7 +105,10 @@ class SparsePlanner:
         self.length_exponents = torch.ones(capacity, 2, dtype=torch.float32, device=dev)
         self.counts = torch.zeros(capacity, 1, 2, dtype=torch.int64, device=dev)
         self.trial_log_scale_factors = None
-        self._host_prompt_lens = _pin(torch.zeros(capacity, dtype=torch.int32))
+        # Two pinned staging buffers used in turn: with vLLM's async scheduling the host builds step t+1 while the
+        # device may still have step t's non-blocking copy pending, which must not see its source overwritten.
+        self._host_prompt_lens = [_pin(torch.zeros(capacity, dtype=torch.int32)) for _ in range(2)]
+        self._staging_turn = 0
         self._law_key = self._trial_key = None
 
     def _ensure_capacity(self, num_reqs: int) -> None:
@@ -171,7 +174,8 @@ class SparsePlanner:
         host = context.prompt_lens(cam) if context.prompt_lens is not None else None
         prompt = self.prompt_lens[:b]
         if host is not None:
-            staging = self._host_prompt_lens[:b]
+            self._staging_turn ^= 1
+            staging = self._host_prompt_lens[self._staging_turn][:b]
             staging.copy_(torch.from_numpy(np.ascontiguousarray(host[:b], dtype=np.int32)))
             prompt.copy_(staging, non_blocking=True)
             source = context.prompt_lens.name if hasattr(context.prompt_lens, "name") else "runner"
