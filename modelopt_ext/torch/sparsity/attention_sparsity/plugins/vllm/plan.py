@@ -18,9 +18,10 @@ What the kernel gets per sequence (docs/skip_softmax.md, version 2):
   `prompt_len`) and the law's length n (`prompt_len` for a prefill sequence, `kv_len` for a decode one).
 
 CUDA graphs. Every tensor above is a view of a persistent buffer sized by `max_num_seqs` and allocated when the
-builder is created; `build` writes into them in place (host prompt lengths through one of two pinned staging buffers,
-used in turn, and one non-blocking copy; phases and lengths by device ops). The law buffers depend only on the settings and are rewritten
-only when the settings change; the serving counts and the Triton kernel's split-K workspace are persistent too.
+builder is created; `build` writes into them in place (host prompt lengths through one of two pinned staging
+buffers, used in turn, and one non-blocking copy; phases and lengths by device ops). The law buffers depend only on
+the settings and are rewritten only when the settings change; the serving counts and the Triton kernel's split-K
+workspace are persistent too.
 When the builder runs full decode graphs (plugins/vllm/cudagraphs.py), a uniform decode batch gets a
 capture-safe plan (`graph_bound`): the kernel's decode grid is sized from `max_model_len` instead of this step's
 longest sequence, and no host decision picks the dense path (the kernel itself drops nothing where λ says so), so
