@@ -31,6 +31,7 @@ from the engine context of their layers, never from a process-wide registry. The
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -83,14 +84,18 @@ def _covered_kernel_block_sizes(native_backend, kv_cache_spec=None) -> list:
     return sorted(set(covered)) or native  # nothing covered: the builder refuses at start-up with the reason
 
 
-def _engine_context_of(vllm_config):
-    """The sparse context of an engine's layers (one per engine), or None when none is sparse."""
-    forward_context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
-    for layer in forward_context.values():
+def _context_of(layers):
+    """The sparse context the layers share (one per engine), or None when none of them is sparse."""
+    for layer in layers:
         state = layer_state(layer) if hasattr(layer, "impl") else None
         if state is not None:
             return state.context
     return None
+
+
+def _engine_context_of(vllm_config):
+    """The sparse context of an engine's layers, found through its static forward context."""
+    return _context_of((getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}).values())
 
 
 class _SparseBuilderMixin:
@@ -125,11 +130,7 @@ class _SparseBuilderMixin:
         self._modelopt_prepare_graphs(vllm_config, kv_cache_spec)
 
     def _modelopt_context(self):
-        for layer in self._modelopt_layers:
-            state = layer_state(layer)
-            if state is not None:
-                return state.context
-        return None
+        return _context_of(self._modelopt_layers)
 
     def _modelopt_check_startup(self, kv_cache_spec) -> None:
         """Refuse at start-up (KV-cache init) what the sparse kernel cannot serve with this group's page size."""
@@ -231,8 +232,13 @@ class _FlashInferSparseStepMixin:
     """
 
     def _modelopt_sparse_step_metadata(self, context, common_attn_metadata):
-        metadata_cls = _flashinfer_metadata_cls()
+        metadata_cls, required, known = _flashinfer_metadata_fields()
         if metadata_cls is None:
+            return None
+        missing = sorted(required - _LIGHT_FLASHINFER_FIELDS)
+        if missing:
+            context.log_once("flashinfer-plan", "sparse attention: FlashInfer's plan runs on sparse steps too (this "
+                             "vLLM's FlashInferMetadata also needs %s)", ", ".join(missing))
             return None
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
@@ -248,22 +254,29 @@ class _FlashInferSparseStepMixin:
             "num_prefill_tokens": num_prefill_tokens, "causal": getattr(cam, "causal", True), "prefill": None,
             "decode": None,
         }  # fmt: skip
-        missing = [f.name for f in dataclasses.fields(metadata_cls) if f.init and f.name not in values
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
-        if missing:
-            context.log_once("flashinfer-plan", "sparse attention: FlashInfer's plan runs on sparse steps too (this "
-                             "vLLM's FlashInferMetadata also needs %s)", ", ".join(missing))
-            return None
-        known = {f.name for f in dataclasses.fields(metadata_cls)}
         return metadata_cls(**{k: v for k, v in values.items() if k in known})
 
 
-def _flashinfer_metadata_cls():
+_LIGHT_FLASHINFER_FIELDS = frozenset((
+    "kv_cache_layout", "num_actual_tokens", "slot_mapping", "q_data_type_prefill", "q_data_type_decode",
+    "num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens", "causal", "prefill", "decode",
+))  # fmt: skip
+"""The FlashInferMetadata fields a sparse step fills (`_FlashInferSparseStepMixin`)."""
+
+
+@functools.cache
+def _flashinfer_metadata_fields():
+    """(FlashInferMetadata, its required init fields, all its fields), read once; (None, ...) without FlashInfer."""
     try:
         from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
     except ImportError:  # pragma: no cover - vLLM without FlashInfer
-        return None
-    return FlashInferMetadata if dataclasses.is_dataclass(FlashInferMetadata) else None
+        return None, frozenset(), frozenset()
+    if not dataclasses.is_dataclass(FlashInferMetadata):
+        return None, frozenset(), frozenset()
+    fields = dataclasses.fields(FlashInferMetadata)
+    required = frozenset(f.name for f in fields if f.init and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)  # fmt: skip
+    return FlashInferMetadata, required, frozenset(f.name for f in fields)
 
 
 def _backend_pair(kind: str, impl_cls, name: str):
