@@ -216,6 +216,14 @@ class KernelCase:
                                              softmax_scale=self.scale, out=self.out_ours, **plan)  # fmt: skip
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
+    def baseline(self, op, lam=None):
+        """The baseline kernel (`baseline_kernel`) on the same planned arguments and cache views."""
+        k, v = self.our_views[self._next()]
+        plan = self._planned(lam, None, False)
+        op(self.q, k, v, self.block_table, self.cu, self.seq_lens, self.scale, plan["log_sf"], plan["gamma"],
+           plan["prompt_lens"], plan["calibrate"], self.out_ours)  # fmt: skip
+        return self.out_ours
+
     def ours_api(self, lam=None):
         """The same through the public entry point (argument checks and normalisation in Python every call)."""
         from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
@@ -224,6 +232,33 @@ class KernelCase:
         return paged_skip_softmax_attention(self.q, k, v, self.block_table, self.cu, self.seq_lens,
                                             softmax_scale=self.scale, skip_threshold=lam, out=self.out_ours,
                                             backend="cpu")  # fmt: skip
+
+
+KERNEL_SOURCE = "modelopt_ext/torch/kernels/sparsity/attention/csrc/skip_softmax_cpu.cpp"
+
+
+def baseline_kernel(rev: str):
+    """The compiled kernel of git revision `rev`, built beside today's (its op namespace renamed, same flags), so old
+    and new run interleaved in one process: `--baseline-rev`."""
+    import hashlib
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+
+    source = subprocess.run(["git", "show", f"{rev}:{KERNEL_SOURCE}"], cwd=REPO, check=True, capture_output=True,
+                            text=True).stdout  # fmt: skip
+    source = source.replace("modelopt_ext_cpu", "modelopt_ext_cpu_baseline")
+    key = hashlib.sha256((source + cpu_kernel.build_key()).encode()).hexdigest()[:16]
+    build_dir = cpu_kernel.cache_root() / f"baseline_{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    src = build_dir / "skip_softmax_cpu_baseline.cpp"
+    src.write_text(source)
+    cpp_extension.load(name=f"modelopt_ext_skip_softmax_cpu_baseline_{key}", sources=[str(src)],
+                       extra_cflags=list(cpu_kernel._CFLAGS), extra_ldflags=list(cpu_kernel._LDFLAGS),
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)  # fmt: skip
+    return torch.ops.modelopt_ext_cpu_baseline.skip_softmax_attention
 
 
 def sparsity(counts) -> list[float]:
@@ -302,6 +337,7 @@ def run_kernel(args) -> list[dict]:
     shapes = [("prefill", n, 1) for n in args.prefill] + [("decode", n, b) for n in args.decode for b in args.batch]
     threads = args.threads or [1, os.cpu_count() or 1]
     records = []
+    base_op = baseline_kernel(args.baseline_rev) if args.baseline_rev else None
     overhead = call_overhead(dtype)
     print("per-call cost on a 64-key decode: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in overhead.items()))
     write_json(args.out, "call_overhead_s", overhead)
@@ -315,6 +351,10 @@ def run_kernel(args) -> list[dict]:
             fns = {"native": case.native, "dense": case.ours, "lambda_off": lambda c=case: c.ours(lam=TINY_LAMBDA)}
             for tgt, (lam, _) in lams.items():
                 fns[f"s{tgt}"] = lambda lam=lam, c=case: c.ours(lam=lam)
+            if base_op is not None:  # the same variants on the baseline revision's kernel, interleaved
+                fns["base_dense"] = lambda c=case: c.baseline(base_op)
+                for tgt, (lam, _) in lams.items():
+                    fns[f"base_s{tgt}"] = lambda lam=lam, c=case: c.baseline(base_op, lam=lam)
             per_call = case.bytes_per_call()
             rounds = args.rounds if phase == "prefill" else max(args.rounds, 20)
             runs = time_interleaved(fns, rounds, args.min_seconds, stat=None)
@@ -331,6 +371,9 @@ def run_kernel(args) -> list[dict]:
                 profile=dict(fixed_s=a, skippable_s=b, skippable_fraction=b / (a + b) if a + b > 0 else 0.0),
                 min_s={n: min(ts) for n, ts in runs.items()}, rounds=len(runs["native"]),
             )  # fmt: skip
+            if base_op is not None:
+                rec["baseline"] = dict(rev=args.baseline_rev, dense_s=med["base_dense"],
+                                       variants={f"s{t}": med[f"base_s{t}"] for t in TARGETS})  # fmt: skip
             records.append(rec)
             print(format_kernel_row(rec), flush=True)
             write_json(args.out, "kernel", records)
@@ -345,6 +388,11 @@ def format_kernel_row(r: dict) -> str:
     for v in r["variants"].values():
         parts.append(f"s={v['realized']:.2f} {nat / v['seconds']:.2f}x")
     parts.append(f"skippable {100 * r['profile']['skippable_fraction']:.0f}%")
+    if "baseline" in r:  # new over old kernel (>1: faster now)
+        base = r["baseline"]
+        news = [r["dense_s"]] + [r["variants"][k]["seconds"] for k in base["variants"]]
+        olds = [base["dense_s"]] + list(base["variants"].values())
+        parts.append("vs " + base["rev"][:10] + " " + "/".join(f"{o / n:.2f}" for o, n in zip(olds, news, strict=True)))
     return " | ".join(parts)
 
 
@@ -374,7 +422,7 @@ def engine_worker(args) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(args.model), dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
+    llm = LLM(model=str(args.model), dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=False, seed=0)  # fmt: skip
     sparse = args.sparse
 
@@ -403,14 +451,15 @@ def engine_worker(args) -> int:
 class EngineProcess:
     """A long-lived `engine-worker` subprocess (vLLM in-process inside it, one OpenMP thread)."""
 
-    def __init__(self, model: Path, sparse: bool, max_model_len: int, threads: int, backend: str, log: Path):
+    def __init__(self, model: Path, sparse: bool, max_model_len: int, threads: int, backend: str, log: Path,
+                 dtype: str = "fp32"):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    MODELOPT_EXT_SPARSE_ATTN="1" if sparse else "0")  # fmt: skip
         if sparse and backend:
             env["MODELOPT_EXT_SPARSE_ATTN_BACKEND"] = backend
         cmd = [sys.executable, str(Path(__file__).resolve()), "engine-worker", "--model", str(model),
-               "--max-model-len", str(max_model_len)] + (["--sparse"] if sparse else [])  # fmt: skip
+               "--max-model-len", str(max_model_len), "--dtype", dtype] + (["--sparse"] if sparse else [])  # fmt: skip
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=str(REPO))  # fmt: skip
@@ -449,8 +498,10 @@ def run_engine(args) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(str(args.model))
     max_pos = json.loads((args.model / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     max_len = min(max(args.lengths) + args.gen_tokens, max_pos)  # SmolLM2: 8192, so "8k" is 8128 + 64
-    dense = EngineProcess(args.model, False, max_len, args.threads, args.kernel_backend, args.out / "dense.log")
-    sparse = EngineProcess(ckpt, True, max_len, args.threads, args.kernel_backend, args.out / "sparse.log")
+    dense = EngineProcess(args.model, False, max_len, args.threads, args.kernel_backend, args.out / "dense.log",
+                          args.dtype)
+    sparse = EngineProcess(ckpt, True, max_len, args.threads, args.kernel_backend, args.out / "sparse.log",
+                           args.dtype)
     print(f"sparse engine: {sparse.ready['status']['sparse_layers']} sparse layers, impls "
           f"{sparse.ready['status']['impls']}", flush=True)  # fmt: skip
     records = []
@@ -475,7 +526,7 @@ def run_engine(args) -> list[dict]:
                 realized = {ph: v["sparsity"] for ph, v in results["sparse"]["status"]["realized"].items()
                             if isinstance(v, dict) and "sparsity" in v}  # fmt: skip
                 rec = dict(source=source, prompt_tokens=len(ids), gen_tokens=args.gen_tokens, threads=args.threads,
-                           batch=args.batch,
+                           batch=args.batch, dtype=args.dtype,
                            dense_s=statistics.median(times["dense"]), sparse_s=statistics.median(times["sparse"]),
                            dense_runs=times["dense"], sparse_runs=times["sparse"], target=args.target,
                            sparsity=realized, greedy_tokens_equal=same, kernel_backend=args.kernel_backend,
@@ -625,6 +676,8 @@ def main(argv=None) -> int:
     k.add_argument("--min-seconds", type=float, default=2.0, help="keep adding rounds until this much time passed")
     k.add_argument("--quick", action="store_true", help="2k/4k prefill, 2k/8k decode at batch 1, 1 thread")
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--baseline-rev", default=None, help="also time this git revision's compiled kernel (dense, "
+                   "s≈0.5, s≈0.7), interleaved with today's: old/new time ratios per row")
     k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     e = sub.add_parser("engine", help="engine level: SmolLM2 on vLLM's CPU engine, sparse vs dense native")
     e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
@@ -640,6 +693,7 @@ def main(argv=None) -> int:
     e.add_argument("--batch", type=int, default=1, help="copies of each prompt per generate call (decode batch)")
     e.add_argument("--repeats", type=int, default=1)
     e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype of both engines")
     e.add_argument("--kernel-backend", default="cpu", help="MODELOPT_EXT_SPARSE_ATTN_BACKEND of the sparse engine "
                    "('' leaves the plugin's default)")
     e.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
@@ -647,6 +701,7 @@ def main(argv=None) -> int:
     w.add_argument("--model", type=Path, required=True)
     w.add_argument("--max-model-len", type=int, required=True)
     w.add_argument("--sparse", action="store_true")
+    w.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     pl = sub.add_parser("plot", help="rewrite table.md and speedup.png from results.json")
     pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     args = p.parse_args(argv)

@@ -308,3 +308,66 @@ def test_where_it_cannot_build_auto_uses_the_reference_and_says_why_once(env, tm
     expected = "switched off (MODELOPT_EXT_CPU_KERNEL=0)" if env == "switched_off" else "did not build"
     assert expected in warnings[0]
     assert f"REASON the compiled CPU kernel {'is ' if env == 'switched_off' else ''}" in proc.stdout
+
+
+@pytest.fixture
+def amx_tiles():
+    """AMX tiles for bf16 where this CPU has them (skips with the reason elsewhere); restores the setting."""
+    if not cpu_kernel.amx_tiles():
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        has = "amx_bf16" in flags and "amx_tile" in flags
+        pytest.skip("AMX tiles unused: " + ("switched off or not granted by the OS" if has else
+                                            "this CPU has no amx_tile/amx_bf16 flags"))  # fmt: skip
+    yield
+    cpu_kernel.amx_tiles(True)
+
+
+@pytest.mark.parametrize("d,page,layout", [(64, 16, "cpu_t"), (128, 128, "cpu_t"), (32, 7, "cpu_t"), (96, 16, "nhd")],
+                         ids=["d64-p16", "d128-p128", "d32-p7-repacked", "d96-nhd"])  # fmt: skip
+def test_amx_tiles_bf16(amx_tiles, d, page, layout):
+    """bf16 on AMX tiles (Q·K and P·V as 16-row tiles, K and V interleaved into B tiles per tile): exact counts and
+    the float64 oracle's output at bf16 tolerance, dense and skipping, with stale NaN/inf past kv_len in the cache;
+    the vector path (AMX off) gives the same counts and an output within the same tolerance."""
+    q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
+    case = make_case(q_lens, kv_lens, hq=6, hkv=2, d=d, page=page, layout=layout, dtype=torch.bfloat16, seed=47)
+    clean_k, clean_v = case.k_cache.clone(), case.v_cache.clone()
+    for b, kv in enumerate(kv_lens):
+        if kv % page:
+            last = int(case.block_table[b, math.ceil(kv / page) - 1])
+            case.k_cache[last, kv % page :] = math.nan
+            case.v_cache[last, kv % page :] = math.inf
+    lam = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.1, 0.05, 0.3]))
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    results = {}
+    for amx in (True, False):
+        assert cpu_kernel.amx_tiles(amx) is amx
+        out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, f"amx={amx}"
+        close(out, ref.out, torch.bfloat16)
+        dense, _ = run(case, "cpu")
+        case.k_cache.copy_(clean_k), case.v_cache.copy_(clean_v)
+        close(dense, dense_attention_f64(case), torch.bfloat16)
+        results[amx] = out
+    assert not torch.equal(results[True], results[False]), "AMX on and off must take different paths"
+
+
+def test_amx_rows_do_not_depend_on_chunking_or_batch(amx_tiles):
+    """On AMX tiles a row's result does not depend on the other rows of its work item: a prompt alone or batched,
+    whole or in chunks, gives bitwise the same rows wherever the row's item runs on tiles in both runs (an item of
+    at least 16 (row, head) pairs: here every chunk of 8 rows or more). A one-row chunk runs on the vector path:
+    the same decisions (counts) and its row within bf16 rounding."""
+    case = make_case([300, 1, 40], [300, 120, 40], hq=4, hkv=2, d=64, page=16, layout="cpu_t", dtype=torch.bfloat16,
+                     seed=48)  # fmt: skip
+    lam = safe_lambdas(case, torch.tensor([0.05, 0.1, 0.2]))
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    alone, c_alone = run(case.subset(0), "cpu", skip_threshold=lam[:1], counts=True)
+    assert torch.equal(alone, out[:300]) and torch.equal(c_alone[0], counts[0])
+    total = torch.zeros_like(counts[0])
+    for a, b in [(0, 100), (100, 101), (101, 300)]:
+        o, c = run(chunk_of(case.subset(0), a, b), "cpu", skip_threshold=lam[:1], counts=True)
+        if b - a >= 8:
+            assert torch.equal(o[: b - a], out[a:b]), f"chunk {a}..{b}"
+        else:
+            torch.testing.assert_close(o[: b - a], out[a:b], atol=2e-2, rtol=1e-2)
+        total += c[0]
+    assert torch.equal(total, counts[0])

@@ -31,6 +31,7 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "MODELOPT_EXT_CPU_KERNEL"
+AMX_ENV = "MODELOPT_EXT_CPU_AMX"  # 0: bf16 stays on the vector path on CPUs with AMX tiles
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -88,7 +89,10 @@ def _build():
     )
     if not cached:
         logger.info("built the CPU skip-softmax kernel in %.1f s", time.perf_counter() - start)
-    return torch.ops.modelopt_ext_cpu.skip_softmax_attention
+    ops = torch.ops.modelopt_ext_cpu
+    if os.environ.get(AMX_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        ops.amx_tiles(False)
+    return ops.skip_softmax_attention
 
 
 def _load():
@@ -119,6 +123,14 @@ def unavailable_reason() -> str | None:
 
 def available() -> bool:
     return unavailable_reason() is None
+
+
+def amx_tiles(enable: bool | None = None) -> bool:
+    """Whether bf16 calls run Q·K and P·V on AMX tiles (compiled for this CPU, granted by the OS, not switched off
+    by `MODELOPT_EXT_CPU_AMX=0`); `enable` switches them on or off for this process first."""
+    if _load()[0] is None:
+        return False
+    return bool(torch.ops.modelopt_ext_cpu.amx_tiles(enable))
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:

@@ -34,12 +34,23 @@
 #include <immintrin.h>
 #endif
 
+// AMX tiles for bf16 (Sapphire Rapids and later): compiled where -march=native has them, used where the kernel asks
+// the OS for tile state and gets it (Linux: arch_prctl ARCH_REQ_XCOMP_PERM).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define MODELOPT_EXT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -50,6 +61,7 @@ constexpr int kSplitTiles = kSplitTokens / kTileK;
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
+constexpr int kAmxTargetRows = 256;  // on AMX tiles: K and V are interleaved once per item and tile, so more rows
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Vector width: 16 floats where the machine has AVX-512 (32 vector registers), else 8 (AVX2: 16 registers). The
@@ -67,6 +79,75 @@ typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+
+// ---------------------------------------------------------------------------------------------------------------
+// AMX bf16 tiles (prefill Q·K and P·V). A tile is 16 rows of 64 bytes; TDPBF16PS adds A[16 x 32 bf16] ·
+// B[32 x 16] into C[16 x 16 fp32], with B stored as 16 rows of (16 columns x 2 consecutive k) "VNNI" pairs. vLLM's
+// `vec` cache keeps K as [dim][key] and V as [key][dim]: both become B tiles by interleaving two rows (two dims of
+// 16 keys for K, two keys of 16 dims for V), one permute per 64 bytes. Products are exact in fp32 and accumulate in
+// fp32, so scores differ from the vector path only by summation order; P enters P·V rounded to bf16 (as in
+// FlashAttention's bf16 kernels), its softmax denominator stays fp32.
+// ---------------------------------------------------------------------------------------------------------------
+std::atomic<bool> g_amx_enabled{true};
+
+bool amx_permitted() {
+#if defined(MODELOPT_EXT_AMX)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether bf16 calls use AMX tiles: compiled in, granted by the OS and not switched off.
+bool amx_active() { return g_amx_enabled.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// Work items with fewer (row, head) pairs than one tile's 16 rows (decode: a GQA group) stay on the vector path:
+// there a tile's few rows cannot hide the K/V memory stream (measured: decode 8k 1.4x slower on tiles), while
+// prefill items (48 pairs) run 2x faster on tiles. The decisions of a row are the same on both paths up to float
+// rounding of its scores (docs/skip_softmax.md "Precision").
+constexpr int kAmxMinRows = 16;
+
+#if defined(MODELOPT_EXT_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0..7: 16 rows x 64 bytes each (A: 16 x 32 bf16, B: 16 pairs x 16 x 2 bf16, C: 16 x 16 fp32).
+inline void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 32 bf16 interleaved from 16 of a and 16 of b: (a0, b0, a1, b1, ...), one VNNI row of a B tile.
+inline void interleave16(const uint16_t* a, const uint16_t* b, uint16_t* dst) {
+  alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i va = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m512i vb = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m512i idx = _mm512_load_si512(kIdx);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, idx, vb));
+}
+
+// 32 fp32 -> 32 bf16 (round to nearest even).
+inline void to_bf16_32(const float* src, uint16_t* dst) {
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+  _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(v));
+}
+#endif
 
 inline vf splat(float x) { return vf{} + x; }
 
@@ -305,6 +386,7 @@ struct Params {
   bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
+  bool amx;  // bf16 with AMX tiles (head size % 32 == 0): Q·K and P·V of items of >= kAmxMinRows pairs on tiles
 };
 
 struct Item {
@@ -326,6 +408,11 @@ struct Scratch {
   std::vector<const char*> pf;
   std::vector<float*> prow, orow;
   std::vector<int64_t> skipped;
+  // AMX: Q rows as bf16 (16 rows of padding), the tile's K and V as B tiles, P rows as bf16, one P·V result tile.
+  std::vector<uint16_t> qb, kpack, vpack, ppack;
+  std::vector<float> ctmp;
+  bool amx;       // this item runs on AMX tiles
+  int slot_rows;  // rows per score slot: M + 16, so a 16-row tile that starts at any row stays inside its slot
   int n_kept[2], j_end[2];
 };
 
@@ -344,7 +431,8 @@ class Kernel {
     const int64_t offset = kv_len - q_len;
     const int n_trials = static_cast<int>(p.T);
     sc.q.resize(static_cast<size_t>(M) * D);
-    sc.s.resize(static_cast<size_t>(2) * M * kTileK);
+    sc.slot_rows = M + 16;
+    sc.s.resize(static_cast<size_t>(2) * sc.slot_rows * kTileK);
     sc.kept_g.resize(static_cast<size_t>(2) * M);
     sc.g.resize(M);
     sc.kept_m.resize(static_cast<size_t>(2) * M);
@@ -377,6 +465,10 @@ class Kernel {
       }
       if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
     }
+    sc.amx = p.amx && M >= kAmxMinRows;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (sc.amx) prepare_amx(it, sc, M);
+    }
 
     const int32_t last_pos = static_cast<int32_t>(offset + it.r1 - 1);
     const int first_pos = static_cast<int>(offset + it.r0);
@@ -389,7 +481,7 @@ class Kernel {
       // Anchor: this split's reference max is seeded with each row's tile-0 max (no exp, no P·V for it here).
       const int m_lo = first_active(sc, M, 0);
       scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
-      std::copy(sc.g.begin() + m_lo, sc.g.end(), sc.g0.begin() + m_lo);
+      std::copy(sc.g.begin() + m_lo, sc.g.begin() + M, sc.g0.begin() + m_lo);
     }
     // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V),
     // and A's score loop prefetches the K of tile t + 1 and the V rows tile t - 1 kept, so memory streams while
@@ -403,6 +495,9 @@ class Kernel {
       pending = sc.n_kept[slot] > 0 ? slot : -1;
     }
     if (pending >= 0) stage_values(sc, pending, D);
+#if defined(MODELOPT_EXT_AMX)
+    if (sc.amx) _tile_release();
+#endif
 
     if (p.log_sf != nullptr) {
       for (int tr = 0; tr < n_trials; ++tr) {
@@ -474,7 +569,7 @@ class Kernel {
     // Rows are sorted by position: the rows that visit tile t are a suffix.
     const int m_lo = kstart <= first_pos ? 0 : first_active(sc, M, kstart);
     if (m_lo >= M) return;
-    float* sbase = sc.s.data() + static_cast<size_t>(slot) * M * kTileK;
+    float* sbase = sc.s.data() + static_cast<size_t>(slot) * sc.slot_rows * kTileK;
     scores(it, sc, t, m_lo, M, sbase, npf);
     int n_kept = 0;
     int j_end = 0;  // V rows 0..j_end-1 of the tile are needed by some kept row
@@ -515,7 +610,7 @@ class Kernel {
   void stage_values(Scratch& sc, int slot, int D) const {
     const int M = static_cast<int>(sc.kept_m.size() / 2);
     const int n_kept = sc.n_kept[slot];
-    float* sbase = sc.s.data() + static_cast<size_t>(slot) * M * kTileK;
+    float* sbase = sc.s.data() + static_cast<size_t>(slot) * sc.slot_rows * kTileK;
     const int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
     const float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
     for (int i = 0; i < n_kept; ++i) {
@@ -526,6 +621,12 @@ class Kernel {
       sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
     }
     const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (sc.amx) {
+        values_amx(sc, n_kept, vrow, sc.j_end[slot], D);
+        return;
+      }
+    }
     pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
   }
 
@@ -601,6 +702,13 @@ class Kernel {
     // Keys per micro-kernel step. Many rows (prefill): with 16 lanes the whole 64-key tile where K is read in place
     // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
     // (decode, a GQA group): 32 keys where the page allows (8 lanes: 3 x 4; 16 lanes: 12 x 2), else 16.
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (sc.amx) {
+        scores_amx(it, sc, t, m_lo, M, sbase, npf);
+        finish_scores(it, sc, t, m_lo, M, sbase);
+        return;
+      }
+    }
     if (kLanes == 16 && M - m_lo > 4 && p_.k_direct && p_.page % kTileK == 0) {
       scores_kb<kTileK>(it, sc, t, m_lo, M, sbase, npf);
     } else if (p_.kc == 32 && (kLanes == 16 || M - m_lo <= 4)) {
@@ -608,6 +716,7 @@ class Kernel {
     } else {
       scores_kb<16>(it, sc, t, m_lo, M, sbase, npf);
     }
+    finish_scores(it, sc, t, m_lo, M, sbase);
   }
 
   template <int kc>
@@ -641,6 +750,13 @@ class Kernel {
         qk_rows<T, kc>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
       }
     }
+  }
+
+  // Scale, soft-cap and mask the raw scores of rows m_lo..M-1 in place; each row's tile max to sc.g[m].
+  void finish_scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase) const {
+    const Params& p = p_;
+    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t kstart = static_cast<int64_t>(t) * kTileK;
     const vf scale = splat(p.scale);
     const vf ninf = splat(kNegInf);
     for (int m = m_lo; m < M; ++m) {
@@ -665,6 +781,154 @@ class Kernel {
       }
       sc.g[m] = hmax(mx);
     }
+  }
+
+  // bf16 Q rows of the item (raw bits) with 16 zero rows of padding, the tile configuration of this thread.
+  void prepare_amx(const Item& it, Scratch& sc, int M) const {
+#if defined(MODELOPT_EXT_AMX)
+    const Params& p = p_;
+    const int group = static_cast<int>(p.group), D = static_cast<int>(p.D);
+    sc.qb.assign(static_cast<size_t>(M + 16) * D, 0);
+    sc.kpack.resize(static_cast<size_t>(kTileK) * D);
+    sc.vpack.resize(static_cast<size_t>(kTileK) * D);
+    sc.ppack.resize(static_cast<size_t>(16) * kTileK);
+    sc.ctmp.resize(static_cast<size_t>(16) * D);
+    sc.kbuf.resize(std::max(sc.kbuf.size(), sizeof(uint16_t) * 16 * D));
+    const uint16_t* qp = static_cast<const uint16_t*>(p.q);
+    const int64_t q0 = p.cu[it.b];
+    for (int r = 0; r < it.r1 - it.r0; ++r) {
+      for (int hh = 0; hh < group; ++hh) {
+        const uint16_t* src = qp + (q0 + it.r0 + r) * p.sq0 + (static_cast<int64_t>(it.kvh) * group + hh) * p.sq1;
+        uint16_t* dst = sc.qb.data() + static_cast<size_t>(r * group + hh) * D;
+        for (int d = 0; d < D; ++d) dst[d] = src[d * p.sq2];
+      }
+    }
+    amx_configure();
+#else
+    (void)it, (void)sc, (void)M;
+#endif
+  }
+
+  // Raw scores of rows m_lo..M-1 against tile t on AMX tiles. K of each 16-key group is interleaved into B tiles
+  // (kpack: [group][D/2][16][2]); a group that starts at or past kv_len is zeros (its scores are masked after).
+  // The prefetch list (next tile's K, the pending tile's V rows) is spread over the four groups' packing.
+  void scores_amx(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
+#if defined(MODELOPT_EXT_AMX)
+    const Params& p = p_;
+    const int D = static_cast<int>(p.D);
+    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t kstart = static_cast<int64_t>(t) * kTileK;
+    const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
+    uint16_t* kpack = sc.kpack.data();
+    for (int g = 0; g < kTileK / 16; ++g) {
+      const int64_t key0 = kstart + 16 * g;
+      uint16_t* dst = kpack + g * group_elems;
+      for (int i = g * npf / 4; i < (g + 1) * npf / 4; ++i) __builtin_prefetch(sc.pf[i], 0, 3);
+      if (key0 >= kv_len) {
+        std::memset(dst, 0, sizeof(uint16_t) * group_elems);
+        continue;
+      }
+      const uint16_t* src;
+      int64_t sd;
+      if (p.k_direct) {  // 16 keys contiguous within one page (page % 16 == 0)
+        src = reinterpret_cast<const uint16_t*>(key_base(it.b, it.kvh, key0));
+        sd = p.sk3;
+      } else {
+        uint16_t* buf = reinterpret_cast<uint16_t*>(sc.kbuf.data());
+        for (int jj = 0; jj < 16; ++jj) {
+          const int64_t key = key0 + jj;
+          const uint16_t* ks = key < kv_len ? reinterpret_cast<const uint16_t*>(key_base(it.b, it.kvh, key)) : nullptr;
+          for (int d = 0; d < D; ++d) buf[d * 16 + jj] = ks != nullptr ? ks[d * p.sk3] : 0;
+        }
+        src = buf;
+        sd = 16;
+      }
+      for (int dp = 0; dp < D / 2; ++dp) interleave16(src + 2 * dp * sd, src + (2 * dp + 1) * sd, dst + dp * 32);
+    }
+    const uint16_t* qb = sc.qb.data();
+    const int q_stride = D * 2;  // bytes per Q row
+    for (int r = m_lo; r < M; r += 16) {
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int ks = 0; ks < D / 32; ++ks) {
+        _tile_loadd(0, qb + static_cast<size_t>(r) * D + 32 * ks, q_stride);
+        const uint16_t* b = kpack + ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
+        _tile_loadd(1, b, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(6, b + group_elems, 64);
+        _tile_dpbf16ps(3, 0, 6);
+        _tile_loadd(1, b + 2 * group_elems, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(6, b + 3 * group_elems, 64);
+        _tile_dpbf16ps(5, 0, 6);
+      }
+      float* s = sbase + static_cast<size_t>(r) * kTileK;
+      _tile_stored(2, s, kTileK * 4);
+      _tile_stored(3, s + 16, kTileK * 4);
+      _tile_stored(4, s + 32, kTileK * 4);
+      _tile_stored(5, s + 48, kTileK * 4);
+    }
+#else
+    (void)it, (void)sc, (void)t, (void)m_lo, (void)M, (void)sbase, (void)npf;
+#endif
+  }
+
+  // P·V of the n_kept rows in sc.prow (exp'd, fp32) into sc.orow on AMX tiles: V rows 0..nj-1 interleaved by key
+  // pairs into B tiles (vpack: [key step of 32][D/16][16][16][2]; keys >= nj are zeros, so unread rows never meet
+  // a zero probability), P rows rounded to bf16 16 at a time, each 16 x D product added to its rows' outputs.
+  void values_amx(Scratch& sc, int n_kept, const T* const* vrow, int nj, int D) const {
+#if defined(MODELOPT_EXT_AMX)
+    const int n_steps = (nj + 31) / 32;
+    const int dtiles = D / 16;
+    uint16_t* vpack = sc.vpack.data();
+    alignas(64) static const uint16_t kZeros[16] = {};
+    for (int pr = 0; pr < 16 * n_steps; ++pr) {
+      const int j0 = 2 * pr, j1 = 2 * pr + 1;
+      const uint16_t* a = j0 < nj ? reinterpret_cast<const uint16_t*>(vrow[j0]) : nullptr;
+      const uint16_t* b = j1 < nj ? reinterpret_cast<const uint16_t*>(vrow[j1]) : nullptr;
+      uint16_t* dst = vpack + static_cast<size_t>(pr / 16) * dtiles * 512 + (pr % 16) * 32;
+      for (int dt = 0; dt < dtiles; ++dt) {
+        interleave16(a != nullptr ? a + 16 * dt : kZeros, b != nullptr ? b + 16 * dt : kZeros, dst + dt * 512);
+      }
+    }
+    uint16_t* pp = sc.ppack.data();
+    float* c = sc.ctmp.data();
+    for (int i0 = 0; i0 < n_kept; i0 += 16) {
+      const int rows = std::min(16, n_kept - i0);
+      for (int i = 0; i < 16; ++i) {
+        uint16_t* dst = pp + i * kTileK;
+        if (i < rows) {
+          to_bf16_32(sc.prow[i0 + i], dst);
+          to_bf16_32(sc.prow[i0 + i] + 32, dst + 32);
+        } else {
+          std::memset(dst, 0, sizeof(uint16_t) * kTileK);
+        }
+      }
+      for (int dt = 0; dt < dtiles; dt += 2) {  // D % 32 == 0: dim tiles come in pairs
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int ks = 0; ks < n_steps; ++ks) {
+          _tile_loadd(0, pp + 32 * ks, kTileK * 2);
+          const uint16_t* b = vpack + static_cast<size_t>(ks) * dtiles * 512 + dt * 512;
+          _tile_loadd(1, b, 64);
+          _tile_dpbf16ps(2, 0, 1);
+          _tile_loadd(6, b + 512, 64);
+          _tile_dpbf16ps(3, 0, 6);
+        }
+        _tile_stored(2, c + 16 * dt, D * 4);
+        _tile_stored(3, c + 16 * (dt + 1), D * 4);
+      }
+      for (int i = 0; i < rows; ++i) {
+        float* o = sc.orow[i0 + i];
+        const float* ci = c + static_cast<size_t>(i) * D;
+        for (int d = 0; d < D; d += kLanes) storev(o + d, loadv(o + d) + loadv(ci + d));
+      }
+    }
+#else
+    (void)sc, (void)n_kept, (void)vrow, (void)nj, (void)D;
+#endif
   }
 
   // A row's softmax denominator: the sum of its kLanes partial sums.
@@ -728,7 +992,7 @@ template <typename T>
 void run(const Params& p) {
   Kernel<T> kernel(p);
   const int64_t group = p.group;
-  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, kTargetRows / group));
+  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, (p.amx ? kAmxTargetRows : kTargetRows) / group));
   std::vector<Item> items;
   struct Merge {
     int32_t b, kvh, r0, r1, n_splits;
@@ -867,6 +1131,7 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
   p.k_direct = p.sk1 == 1 && p.page % p.kc == 0;
   p.v_direct = p.sv3 == 1;
+  p.amx = q.scalar_type() == at::kBFloat16 && p.D % 32 == 0 && amx_active();
 
   at::Tensor counts;
   at::Tensor log_sf_c, gamma_c;
@@ -930,6 +1195,12 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   return counts;
 }
 
+// Whether bf16 calls use AMX tiles; `enable` switches them on or off for the process first (benchmarks, tests).
+bool amx_tiles(std::optional<bool> enable) {
+  if (enable.has_value()) g_amx_enabled.store(*enable, std::memory_order_relaxed);
+  return amx_active();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modelopt_ext_cpu, m) {
@@ -937,6 +1208,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
       "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, float softcap=0.0) -> Tensor");
+  m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }
