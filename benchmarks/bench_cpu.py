@@ -207,13 +207,14 @@ class KernelCase:
         return self._plans[key]
 
     def ours(self, lam=None, trials=None, counts=False):
-        """Our compiled backend on the planned arguments: out, or (out, counts) when counting."""
-        from modelopt_ext.torch.kernels.sparsity.attention.cpu_kernel import paged_skip_softmax_attention_cpu
+        """Our compiled backend on the planned arguments, launched as the vLLM plugin launches it (`launch_cpu`: one
+        op call, no conversions): out, or (out, counts) when counting."""
+        from modelopt_ext.torch.kernels.sparsity.attention.cpu_kernel import launch_cpu
 
         k, v = self.our_views[self._next()]
         plan = self._planned(lam, trials, counts)
-        c = paged_skip_softmax_attention_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens,
-                                             softmax_scale=self.scale, out=self.out_ours, **plan)  # fmt: skip
+        c = launch_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens, softmax_scale=self.scale,
+                       out=self.out_ours, **plan)  # fmt: skip
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
     def baseline(self, op, lam=None):
