@@ -584,7 +584,10 @@ def write_json(out: Path, key: str, records: list[dict]) -> None:
 def kernel_table(records: list[dict]) -> str:
     head = ("| shape | threads | native ms | ours dense | λ off | s≈0.5 (realized) | s≈0.7 (realized) | "
             "skip gain at s≈0.7: ours dense / ours s≈0.7 (bound 2/(2−s)) | skippable share of our time |")  # fmt: skip
-    lines = [head, "|" + "---|" * 9]
+    base = next((r["baseline"]["rev"] for r in records if "baseline" in r), None)
+    if base:
+        head += f" old kernel ({base[:10]}) / new, dense / s≈0.5 / s≈0.7 |"
+    lines = [head, "|" + "---|" * (10 if base else 9)]
     for r in records:
         nat = r["native_s"]
         v5, v7 = r["variants"]["s0.5"], r["variants"]["s0.7"]
@@ -596,6 +599,10 @@ def kernel_table(records: list[dict]) -> str:
             f"| {r['dense_s'] / v7['seconds']:.2f}× ({2 / (2 - v7['realized']):.2f}×) "
             f"| {100 * r['profile']['skippable_fraction']:.0f} % |"
         )
+        if base and "baseline" in r:
+            b = r["baseline"]
+            lines[-1] += (f" {b['dense_s'] / r['dense_s']:.2f} / {b['variants']['s0.5'] / v5['seconds']:.2f} / "
+                          f"{b['variants']['s0.7'] / v7['seconds']:.2f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -651,7 +658,10 @@ def plot(out: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(recs)), labels, fontsize=8)
     ax.set_ylabel("speedup over vLLM native CPU attention")
-    ax.set_title("Skip-softmax CPU kernel vs vLLM CPU attention (SmolLM2 shapes, fp32)")
+    dtypes = "/".join(sorted({r.get("dtype", "fp32") for r in recs}))
+    isa = ", ".join(f for f in data.get("machine", {}).get("flags", []) if f.startswith(("avx512f", "amx_bf16")))
+    shapes = f"SmolLM2 shapes, {dtypes}" + (f", {isa}" if isa else "")
+    ax.set_title(f"Skip-softmax CPU kernel vs vLLM CPU attention\n({shapes})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
