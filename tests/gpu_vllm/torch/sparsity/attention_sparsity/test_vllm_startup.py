@@ -219,6 +219,33 @@ def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeyp
     ]
 
 
+def test_engine_config_predicts_gpt_oss_sinks_and_sliding_layers(tmp_path, monkeypatch, caplog):
+    """A real gpt-oss engine config (a tiny config.json from transformers' GptOssConfig, no weights): every layer has
+    learned sinks (vLLM's gpt_oss.py) and every other layer a sliding window, both said before any weight loads; no
+    layer can be sparse, so the engine says so once and serves dense."""
+    import json
+
+    from transformers import GptOssConfig
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    hf = GptOssConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=256).to_dict()  # fmt: skip
+    hf["architectures"] = ["GptOssForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32", max_model_len=256,
+                        skip_tokenizer_init=True)  # fmt: skip
+    config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
+    monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
+    assert checks.predicted_dense_layers(config) == [
+        (checks.EVERY_LAYER, "attention sinks are not supported"),
+        ("2 of 4 attention layers (0, 2: sliding_attention)", "sliding window 128 is not supported"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
+        checks.check_engine_config(config)
+    said = [r.getMessage() for r in caplog.records if "sinks" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_engine_config_predicts_a_head_size_the_triton_kernel_does_not_cover(vllm_config, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setattr(vllm_config.device_config, "device_type", "cuda")

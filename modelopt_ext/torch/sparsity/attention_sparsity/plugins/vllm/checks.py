@@ -178,8 +178,9 @@ def predicted_startup_problems(vllm_config) -> list[str]:
 
 def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
     """`(which layers, why)` the engine config alone says will be served dense (no model, no weights): the CPU
-    attention ISA (dtype, page size, head size), a quantized KV cache, MLA, and sliding-window layers (per layer
-    from `layer_types`, e.g. Gemma 2/3, gpt-oss; all layers when the model has one window and no layer types).
+    attention ISA (dtype, page size, head size), a quantized KV cache, MLA, learned sinks on every layer (gpt-oss),
+    sliding-window layers (per layer from `layer_types`, e.g. Gemma 2/3, gpt-oss; all layers when the model has one
+    window and no layer types) and Llama 4's chunk-local layers.
     The install finds the same per layer once the model exists; this says it before any weight loads."""
     model = getattr(vllm_config, "model_config", None)
     cache = getattr(vllm_config, "cache_config", None)
@@ -210,9 +211,23 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
                                  "--kv-cache-dtype auto"))
     if getattr(model, "use_mla", False) is True:
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
+    out += _predicted_sink_layers(model)
     out += _predicted_sliding_layers(model)
     out += _predicted_chunk_local_layers(model)
     return out
+
+
+# Architectures whose vLLM model gives every attention layer learned sinks, whatever the config (vLLM 0.33's
+# gpt_oss.py passes `sinks=` to each `Attention`). Models whose sinks depend on the config (Granite's
+# `attention_sinks`, MiMo, Laguna's sliding layers) are found per layer at install.
+_SINK_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
+
+
+def _predicted_sink_layers(model) -> list[tuple[str, str]]:
+    archs = getattr(model, "architectures", None) or getattr(getattr(model, "hf_config", None), "architectures", None)
+    if not isinstance(archs, (list, tuple)) or not _SINK_ARCHITECTURES.intersection(archs):
+        return []
+    return [(EVERY_LAYER, "attention sinks are not supported")]
 
 
 def _layer_list(indices: list[int], total: int, kind: str) -> str:
