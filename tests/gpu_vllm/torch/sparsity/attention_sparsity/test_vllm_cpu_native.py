@@ -9,6 +9,7 @@ Tolerances: float32 atol 1e-5, bfloat16 atol 2e-2 (both kernels accumulate in fl
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 
@@ -201,16 +202,20 @@ def _bf16_layer_output(monkeypatch, *, sparse: bool, prefix: str):
     return layer.isa, out, b
 
 
-def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch):
+def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch, caplog):
     """vLLM's own ISA rule with its AMX probe answered yes (this CPU may lack AMX; no AMX code runs): the group
-    would be 'amx'; the sparse builder sets 'vec', vLLM's writer writes that layout, our kernel reads it in place.
+    would be 'amx'; the sparse builder sets 'vec', vLLM's writer writes that layout, our kernel reads it in place,
+    and the start-up line says so with the measured cost (dense is faster there in bf16).
     Against float64 attention: bf16 atol 2e-2 (bf16 queries, keys and values; fp32 accumulation)."""
     if not torch.cpu._is_amx_tile_supported():
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     if cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) != "amx":
         pytest.skip("this vLLM does not pick 'amx' for bf16 on AMX CPUs")
-    isa, out, b = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_rule.attn")
+    with caplog.at_level(logging.INFO, logger="modelopt_ext"):
+        isa, out, b = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_rule.attn")
     assert isa == "vec"
+    said = [r.getMessage() for r in caplog.records if "instead of vLLM's 'amx'" in r.getMessage()]
+    assert len(said) == 1 and "MODELOPT_EXT_SPARSE_ATTN=0" in said[0], said
     torch.testing.assert_close(out.double(), _float64_attention(b, 64), atol=2e-2, rtol=0)
 
 

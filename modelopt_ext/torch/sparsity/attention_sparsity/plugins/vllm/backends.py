@@ -46,7 +46,7 @@ from .impls import (
     ModelOptSparseFlashInferImpl,
     layer_state,
 )
-from .kv_cache import CPU_ISA_FOR_SPARSE, cpu_isa_problem
+from .kv_cache import CPU_ISA_COST, CPU_ISA_FOR_SPARSE, cpu_isa_problem
 from .plan import PLAN_ATTR, SparsePlanner
 
 logger = logging.getLogger(__name__)
@@ -342,7 +342,8 @@ if _CPUBuilderBase is not None:
                 context.log_once(
                     f"cpu-isa-{isa}",
                     "sparse attention: CPU attention ISA %r for the sparse layers instead of vLLM's %r (the kernels "
-                    "read %r's cache layout in place; layers kept dense keep %r)", readable, isa, readable, isa,
+                    "read %r's cache layout in place; layers kept dense keep %r)%s", readable, isa, readable, isa,
+                    CPU_ISA_COST.get(isa, ""),
                 )
                 self.isa = isa = readable
                 self._set_isa_to_layers(self.layer_names)

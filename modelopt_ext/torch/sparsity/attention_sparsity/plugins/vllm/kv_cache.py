@@ -34,6 +34,12 @@ cache stores K and V in VNNI pairs that no `[blocks, page, Hkv, D]` view can exp
 cpu_amx_layout.md). `vec` runs on every x86 CPU under the same page-size rule, so the sparse builder sets `vec` on
 its group (`layer.isa`): vLLM's own cache writer, scheduler metadata and dense forward then all use `vec`'s layout,
 which the kernels read in place. Layers outside a sparse group keep vLLM's choice."""
+CPU_ISA_COST = {
+    "amx": "; vLLM's own amx attention is faster than the sparse kernel on this CPU even with AMX tiles in bf16 "
+    "prefill (measured on a 2-core Xeon: sparse serving at target 0.5 took 1.45-1.5x the time of dense in bf16, "
+    "parity in fp32; docs/benchmarks.md), so serve dense (MODELOPT_EXT_SPARSE_ATTN=0) where bf16 speed matters",
+}
+"""What serving sparse on a replaced ISA costs, as measured, appended to the start-up line that says it."""
 
 
 def cpu_isa_problem(isa: str | None) -> str | None:
