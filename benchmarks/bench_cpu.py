@@ -235,20 +235,17 @@ class KernelCase:
                                             backend="cpu")  # fmt: skip
 
 
-KERNEL_SOURCE = "modelopt_ext/torch/kernels/sparsity/attention/csrc/skip_softmax_cpu.cpp"
-
-
 def baseline_kernel(rev: str):
     """The compiled kernel of git revision `rev`, built beside today's (its op namespace renamed, same flags), so old
     and new run interleaved in one process: `--baseline-rev`."""
     import hashlib
 
     import torch
-    from torch.utils import cpp_extension
 
     from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
 
-    source = subprocess.run(["git", "show", f"{rev}:{KERNEL_SOURCE}"], cwd=REPO, check=True, capture_output=True,
+    path = cpu_kernel.SOURCE.relative_to(REPO).as_posix()
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
                             text=True).stdout  # fmt: skip
     source = source.replace("modelopt_ext_cpu", "modelopt_ext_cpu_baseline")
     key = hashlib.sha256((source + cpu_kernel.build_key()).encode()).hexdigest()[:16]
@@ -256,9 +253,7 @@ def baseline_kernel(rev: str):
     build_dir.mkdir(parents=True, exist_ok=True)
     src = build_dir / "skip_softmax_cpu_baseline.cpp"
     src.write_text(source)
-    cpp_extension.load(name=f"modelopt_ext_skip_softmax_cpu_baseline_{key}", sources=[str(src)],
-                       extra_cflags=list(cpu_kernel._CFLAGS), extra_ldflags=list(cpu_kernel._LDFLAGS),
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)  # fmt: skip
+    cpu_kernel.compile_extension(f"modelopt_ext_skip_softmax_cpu_baseline_{key}", src, build_dir)
     return torch.ops.modelopt_ext_cpu_baseline.skip_softmax_attention
 
 

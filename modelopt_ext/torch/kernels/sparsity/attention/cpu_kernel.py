@@ -13,6 +13,7 @@ else `$XDG_CACHE_HOME/modelopt_ext`, else `~/.cache/modelopt_ext` (subfolder `to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -67,26 +68,69 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _build():
-    """Build (or load the cached build of) the extension; returns the op. Raises on failure."""
+def torch_waits_on_lock_file(cpp_extension) -> bool:
+    """Whether this torch guards extension builds with a file whose mere existence blocks (before torch 2.14)."""
+    return not hasattr(cpp_extension, "FileLock")
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an OS lock on `build_dir` while building or loading into it.
+
+    torch guards a build with a `lock` file and waits for it to vanish, forever: a build killed midway (Ctrl-C, an
+    OOM kill, a lost machine) leaves it behind and every later start hangs without a word. The OS releases this
+    lock when its holder dies, so a `lock` file found while holding it belongs to no running build: it is removed.
+    torch 2.14 and later hold an OS lock themselves (their `lock` file may stay, harmlessly): nothing to do there.
+    """
     from torch.utils import cpp_extension
 
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file only
+        fcntl = None
+    if fcntl is None or not torch_waits_on_lock_file(cpp_extension):
+        yield
+        return
+    with open(build_dir / ".build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was stopped midway (it would block every build "
+                               "after it)", stale)  # fmt: skip
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def compile_extension(name: str, source: Path, build_dir: Path) -> None:
+    """Build (or load the cached build of) the C++ file `source` as torch extension `name` in `build_dir`, with the
+    kernel's flags. Safe against concurrent builds and against builds that were killed midway."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(build_dir):
+        cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def _build():
+    """Build (or load the cached build of) the extension; returns the op. Raises on failure."""
     name = f"modelopt_ext_skip_softmax_cpu_{build_key()}"
     build_dir = cache_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     cached = any(build_dir.glob(f"{name}*.so"))
     if not cached:
         logger.info("building the compiled CPU skip-softmax kernel (once, cached in %s)", build_dir)
     start = time.perf_counter()
-    cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    compile_extension(name, SOURCE, build_dir)
     if not cached:
         logger.info("built the CPU skip-softmax kernel in %.1f s", time.perf_counter() - start)
     ops = torch.ops.modelopt_ext_cpu
