@@ -1,8 +1,8 @@
 """Same tokens whatever the load (docs/skip_softmax.md, issue #12), end to end on vLLM's CPU engine.
 
-A sparse checkpoint is served three ways, each in its own engine (vLLM's default multi-process engine, our worker
-class): prompts whole (a large token budget), cut into chunks by a 256-token budget, and on 64-token pages instead
-of 128. Each prompt is sent alone and then all together. Greedy tokens must be identical everywhere, and the
+A sparse checkpoint is served two ways, each in its own engine (vLLM's default multi-process engine, our worker
+class): prompts whole (a large token budget) on 128-token pages, and cut into chunks by a 256-token budget on 64-token
+pages. Each prompt is sent alone and then all together. Greedy tokens must be identical everywhere, and the
 dropped/visited row-tile counts of each prompt alone identical between the engines.
 """
 
@@ -87,9 +87,11 @@ def _serve(ckpt, budget: int, block: int, tmp_path) -> dict:
 
 def test_tokens_and_counts_do_not_depend_on_chunking_batching_or_pages(sparse_ckpt, tmp_path):
     whole = _serve(sparse_ckpt, 2048, 128, tmp_path)
-    chunked = _serve(sparse_ckpt, 256, 128, tmp_path)
-    paged = _serve(sparse_ckpt, 2048, 64, tmp_path)
-    for name, run in (("whole", whole), ("chunked", chunked), ("64-token pages", paged)):
+    # Chunks of a 256-token budget on 64-token pages, in one engine (one engine start fewer on CI): any of the two
+    # changing a decision shows here; each alone is covered by test_vllm_backends.py (chunks, real builders) and
+    # test_cpu_kernel.py (pages, batching, chunking).
+    chunked_paged = _serve(sparse_ckpt, 256, 64, tmp_path)
+    for name, run in (("whole", whole), ("chunked, 64-token pages", chunked_paged)):
         assert run["together"] == run["alone"], f"{name}: batched tokens differ from the same prompts alone"
         assert run["alone"] == whole["alone"], f"{name}: tokens differ from the whole-prompt engine"
         assert run["counts"] == whole["counts"], f"{name}: per-prompt counts differ"

@@ -57,6 +57,8 @@ from .prompt_lens import prompt_lens_source
 logger = logging.getLogger(__name__)
 
 DENSE_REASONS_ATTR = "_modelopt_dense_reasons"
+IGNORED = "kept dense by the checkpoint's ignore list"
+UNTARGETED = "kept dense: its attention class is not in the checkpoint's targets"
 """Set on a vLLM attention layer that runs dense on its own backend: why (what `sparse_attn_status` reports)."""
 
 
@@ -68,7 +70,8 @@ class SparseAttentionInstallReport:
     installed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)  # already sparse with the same configuration
     reconfigured: list[str] = field(default_factory=list)  # already sparse, settings/mode replaced
-    disabled: list[str] = field(default_factory=list)  # settings.disabled_layers: native impl and backend
+    disabled: list[str] = field(default_factory=list)  # ignore list or not in targets: native impl and backend
+    disabled_why: dict[str, str] = field(default_factory=dict)  # of `disabled`: which of the two
     restored: list[str] = field(default_factory=list)  # of `disabled`: were sparse, got their native impl back
     native_impls: dict[str, str] = field(default_factory=dict)  # covered layers -> native impl class name
     kept_dense: dict[str, list[str]] = field(default_factory=dict)  # layers that cannot run sparse -> the reasons
@@ -115,7 +118,10 @@ def _attention_classes(model_or_layers, layers) -> dict[str, set[str]]:
     """Per layer name, the class names `targets` may list: the layer's own (vLLM's `Attention`) and, when a model is
     given, its parent module's (vLLM's model attention class, e.g. `LlamaAttention`, usually named as in
     transformers)."""
-    classes = {name: {type(layer).__name__} for name, layer in layers}
+    # A layer's class and its bases up to vLLM's `Attention`: the default target `Attention` covers the subclasses
+    # vLLM gives some layers (`ChunkedLocalAttention`, ...); whether those can run sparse is decided on their own.
+    classes = {name: {c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("vllm")} or
+               {type(layer).__name__} for name, layer in layers}  # fmt: skip
     if isinstance(model_or_layers, torch.nn.Module) and not _is_attention_layer(model_or_layers):
         for path, module in model_or_layers.named_modules():
             if _is_attention_layer(module) and "." in path:
@@ -315,9 +321,12 @@ def _sort_layers(layers, settings, kernel_backend: str, config, report, untarget
     for name, layer in layers:
         if _disabled(name, settings) or name in untargeted:
             report.disabled.append(name)
+            report.disabled_why[name] = IGNORED if _disabled(name, settings) else UNTARGETED
             continue
         reasons = _unsupported(layer, layer.impl, kernel_backend, config)
-        if not isinstance(layer.impl, _SPARSE_CLASSES) and _kv_cache_bound(layer) and not getattr(
+        # Only for a layer that could otherwise run sparse: one kept dense for its own reasons at load time keeps
+        # just those when the engine is reconfigured (sparse_attn_serve / enable_calibration).
+        if not reasons and not isinstance(layer.impl, _SPARSE_CLASSES) and _kv_cache_bound(layer) and not getattr(
             layer, BUILDER_MARK, False
         ):
             reasons.append(
@@ -347,7 +356,7 @@ def _keep_dense(layers, settings, report, strict: bool) -> None:
             logger.warning("sparse attention: no attention layer of this model can run sparse; serving dense")
     for name, layer in layers:
         if name in report.disabled:
-            setattr(layer, DENSE_REASONS_ATTR, ("kept dense by the checkpoint's ignore list",))
+            setattr(layer, DENSE_REASONS_ATTR, (report.disabled_why.get(name, IGNORED),))
         elif name in report.kept_dense:
             setattr(layer, DENSE_REASONS_ATTR, tuple(report.kept_dense[name]))
         elif hasattr(layer, DENSE_REASONS_ATTR):
