@@ -617,6 +617,9 @@ def test_targets_pick_the_attention_classes_that_go_sparse(make_layer, caplog):
 
     report = install(("FooAttention",))
     assert report.installed == [foo] and report.disabled == [bar]
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.install import DENSE_REASONS_ATTR, UNTARGETED
+
+    assert getattr(model.layers[1].attn, DENSE_REASONS_ATTR) == (UNTARGETED,)  # not blamed on the ignore list
     report = install(("Attention",))
     assert sorted(report.sparse) == sorted([foo, bar])
     with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
