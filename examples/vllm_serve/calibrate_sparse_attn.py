@@ -528,9 +528,14 @@ def llm_kwargs(args, plan: Plan, max_model_len: int) -> dict:
     kwargs = dict(vars(engine_args))
     if kwargs.get("enable_prefix_caching"):
         logger.info("--enable-prefix-caching: calibration runs without it (every prompt token must be computed)")
+    # Calibration counts must not depend on CUDA graphs: eager. vLLM's CPU engine has none, and its pipeline-parallel
+    # stages need the compile warm-up (checks.pipeline_parallel_problem), so it keeps its default there.
+    from vllm.platforms import current_platform
+
+    cpu_stages = current_platform.is_cpu() and (kwargs.get("pipeline_parallel_size") or 1) > 1
     kwargs.update(
         model=str(plan.ckpt), max_model_len=max_model_len, enable_prefix_caching=False,
-        enforce_eager=True,  # calibration counts must not depend on CUDA graphs
+        enforce_eager=bool(kwargs.get("enforce_eager")) if cpu_stages else True,
         worker_extension_cls=worker_extension_cls(kwargs.get("worker_extension_cls") or None),
         disable_log_stats=True,  # vllm.LLM's own default (no periodic throughput lines)
     )  # fmt: skip
@@ -547,12 +552,14 @@ def _prepare_environment(args) -> None:
     if not current_platform.is_cpu():
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM otherwise claims most of the RAM
+    workers = args.tensor_parallel_size * (getattr(args, "pipeline_parallel_size", None) or 1)
     try:
-        bind = engine_setup.set_cpu_threads_bind(os.environ, args.tensor_parallel_size)
+        bind = engine_setup.set_cpu_threads_bind(os.environ, workers)
     except ValueError as exc:
-        raise ArgumentError("--tensor_parallel_size", str(exc), "lower --tensor_parallel_size") from None
+        raise ArgumentError("--tensor_parallel_size", str(exc), "lower --tensor_parallel_size or "
+                            "--pipeline_parallel_size") from None  # fmt: skip
     if bind:
-        logger.info("CPU engine with %d workers: %s=%s", args.tensor_parallel_size, engine_setup.ENV_CPU_BIND, bind)
+        logger.info("CPU engine with %d workers: %s=%s", workers, engine_setup.ENV_CPU_BIND, bind)
     backend = getattr(args.attention_backend, "name", args.attention_backend)  # a name, or vLLM's enum member
     if backend and str(backend).upper() != "CPU_ATTN":
         logger.info("--attention_backend %s: vLLM's CPU engine uses CPU_ATTN instead", backend)

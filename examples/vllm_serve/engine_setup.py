@@ -55,24 +55,26 @@ def tensor_parallel_problem(config: dict, tp: int) -> str | None:
     return None
 
 
-def cpu_threads_bind(tp: int, cpus: list[int] | None = None) -> str:
-    """`tp` contiguous groups of this process's CPUs, '|'-separated (vLLM's manual binding syntax)."""
+def cpu_threads_bind(workers: int, cpus: list[int] | None = None) -> str:
+    """`workers` contiguous groups of this process's CPUs, '|'-separated (vLLM's manual binding syntax)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if len(cpus) < tp:
-        raise ValueError(f"vLLM's CPU engine needs a CPU per tensor-parallel worker: {tp} workers, {len(cpus)} CPUs")
-    per, extra = divmod(len(cpus), tp)
+    if len(cpus) < workers:
+        raise ValueError(f"vLLM's CPU engine needs a CPU per worker (tensor x pipeline parallel size): {workers} "
+                         f"workers, {len(cpus)} CPUs")  # fmt: skip
+    per, extra = divmod(len(cpus), workers)
     groups, start = [], 0
-    for rank in range(tp):
+    for rank in range(workers):
         size = per + (1 if rank < extra else 0)
         groups.append(",".join(str(c) for c in cpus[start : start + size]))
         start += size
     return "|".join(groups)
 
 
-def set_cpu_threads_bind(env: dict, tp: int) -> str | None:
-    """On vLLM's CPU engine with tp > 1, set VLLM_CPU_OMP_THREADS_BIND in `env` unless the user did; returns the
-    value set (None: nothing to do). Raises ValueError when the machine has fewer CPUs than workers."""
-    if tp <= 1 or env.get(ENV_CPU_BIND):
+def set_cpu_threads_bind(env: dict, workers: int) -> str | None:
+    """On vLLM's CPU engine with more than one worker (tensor x pipeline parallel size), set
+    VLLM_CPU_OMP_THREADS_BIND in `env` unless the user did; returns the value set (None: nothing to do). Raises
+    ValueError when the machine has fewer CPUs than workers."""
+    if workers <= 1 or env.get(ENV_CPU_BIND):
         return None
-    env[ENV_CPU_BIND] = cpu_threads_bind(tp)
+    env[ENV_CPU_BIND] = cpu_threads_bind(workers)
     return env[ENV_CPU_BIND]

