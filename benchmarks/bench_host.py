@@ -11,7 +11,10 @@ and the same layer geometry installed sparse (compiled CPU kernel, a law that dr
 per-step plan. At these sizes the kernels take a few microseconds, so the difference is the host work per layer:
 what the sparse path adds on top of the launch (goal: sparse <= native + 15 µs). A third variant calls the public
 `paged_skip_softmax_attention` on the same inputs (its per-call checks and normalisation), which is what every
-sparse layer did per step before the plan normalised the step once. Variants run interleaved in rounds; medians.
+sparse layer did per step before the plan normalised the step once. A fourth serves a batch whose requests set
+their own targets (issue #28: per-row laws, per-request counters, one more `index_add_` per layer). Variants run
+interleaved in rounds; medians. Per step (once, not per layer), the sparse builder's `build` is timed with and
+without per-request targets: the host work a step adds for them.
 
 The real layers and builders are made with the plugin tests' helpers (tests/gpu_vllm/.../vllm_plugin_testlib.py),
 the same construction the plugin tests use.
@@ -34,8 +37,22 @@ TESTLIB = REPO / "tests/gpu_vllm/torch/sparsity/attention_sparsity"
 HQ, HKV, D, PAGE = 9, 3, 64, 32
 
 
-def _case(batch: int, kv_len: int, sparse: bool, prefix: str):
-    """(layer, metadata, query, kv_cache, output) of one decode step on a real vLLM CPU layer."""
+def _runner(batch: int, kv_len: int, targets: bool):
+    """What the plugin reads of vLLM's model runner V1 (the runner itself needs a whole engine): request ids, prompt
+    lengths and real `SamplingParams`, with a per-request target when `targets`."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    ids = [f"req-{i}" for i in range(batch)]
+    extra = {"sparse_attn_decode_target": 0.6} if targets else None
+    return types.SimpleNamespace(
+        requests={rid: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra)) for rid in ids},
+        input_batch=types.SimpleNamespace(req_ids=ids, num_reqs=batch,
+                                          num_prompt_tokens=np.full(batch, kv_len - 1, dtype=np.int32)))
+
+
+def _case(batch: int, kv_len: int, sparse: bool, prefix: str, runner=None):
+    """(layer, metadata, query, kv_cache, output, builder, step) of one decode step on a real vLLM CPU layer."""
     import torch
     from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
 
@@ -48,8 +65,10 @@ def _case(batch: int, kv_len: int, sparse: bool, prefix: str):
     cfg = engine_config()
     layer = new_layer(cfg, "cpu_attn", num_heads=HQ, num_kv_heads=HKV, head_size=D, prefix=prefix)
     if sparse:
-        law = PhaseCalibration(a=0.3 * kv_len, b=0.0, target_sparsity=0.5)  # λ = 0.3 at n = kv_len: tiles drop
-        plug.install_sparse_attention([layer], SparseAttentionSettings(prefill=law, decode=law), backend="cpu")
+        law = PhaseCalibration(a=0.3 * kv_len, b=0.5, target_sparsity=0.5,  # λ ≈ 0.3 at n = kv_len: tiles drop
+                               observed_sparsity_range=(0.1, 0.9))
+        plug.install_sparse_attention([layer], SparseAttentionSettings(prefill=law, decode=law), backend="cpu",
+                                      model_runner=runner)
     gen = torch.Generator().manual_seed(batch * 100_000 + kv_len)
     pages = math.ceil(kv_len / PAGE)
     blocks = batch * pages + 1
@@ -64,12 +83,13 @@ def _case(batch: int, kv_len: int, sparse: bool, prefix: str):
         q_lens=[1] * batch, kv_lens=[kv_len] * batch, query_start_loc=qsl, seq_lens=seq_lens,
         block_table=block_table, slot_mapping=slots[kv_len - 1 :: kv_len], num_tokens=batch,
     )  # fmt: skip
-    metadata = build_metadata(make_builder(cfg, [layer], page=PAGE), step)
+    builder = make_builder(cfg, [layer], page=PAGE)
+    metadata = build_metadata(builder, step)
     kv_cache = torch.randn(blocks, HKV, PAGE, 2 * D)
     layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)  # vLLM's writer (or the plugin's, same layout)
     qkv = torch.randn(batch, (HQ + 2 * HKV) * D, generator=gen)
     query = qkv[:, : HQ * D].view(batch, HQ, D)  # a strided view, as vLLM's Attention layer hands it to the impl
-    return layer, metadata, query, kv_cache, torch.empty(batch, HQ, D)
+    return layer, metadata, query, kv_cache, torch.empty(batch, HQ, D), builder, step
 
 
 def _timed(fn, calls: int) -> float:
@@ -85,6 +105,8 @@ def run(args) -> list[dict]:
 
     current_platform.import_kernels()  # vLLM's C++ CPU ops, before any builder asks for them
 
+    from vllm_plugin_testlib import build_metadata
+
     from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
 
@@ -93,8 +115,10 @@ def run(args) -> list[dict]:
     for batch in args.batch:
         for kv_len in args.kv:
             native = _case(batch, kv_len, False, f"host.native.{batch}.{kv_len}.attn")
-            sparse = _case(batch, kv_len, True, f"host.sparse.{batch}.{kv_len}.attn")
-            layer, md, query, kv_cache, out = sparse
+            sparse = _case(batch, kv_len, True, f"host.sparse.{batch}.{kv_len}.attn", _runner(batch, kv_len, False))
+            own = _case(batch, kv_len, True, f"host.own.{batch}.{kv_len}.attn", _runner(batch, kv_len, True))
+            assert getattr(own[1], plug.PLAN_ATTR).request_index is not None
+            layer, md, query, kv_cache, out = sparse[:5]
             plan = getattr(md, plug.PLAN_ATTR)
             k_view, v_view = layer.impl._modelopt_views(layer, kv_cache)
 
@@ -110,12 +134,15 @@ def run(args) -> list[dict]:
                 "native": lambda c=native: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
                 "sparse": lambda c=sparse: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
                 "public_api": api,
+                "sparse_own_targets": lambda c=own: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
+                "build": lambda c=sparse: build_metadata(c[5], c[6]),
+                "build_own_targets": lambda c=own: build_metadata(c[5], c[6]),
             }
             for fn in fns.values():  # warm-up: kernel build, cached views, counters
                 fn()
             samples = {name: [] for name in fns}
             for r in range(args.rounds):
-                order = list(fns)[r % 3 :] + list(fns)[: r % 3]
+                order = list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]
                 for name in order:
                     samples[name].append(_timed(fns[name], args.calls))
             med = {name: statistics.median(ts) * 1e6 for name, ts in samples.items()}
@@ -123,8 +150,9 @@ def run(args) -> list[dict]:
                        realized=_realized(layer))  # fmt: skip
             records.append(rec)
             print(f"decode B={batch} kv={kv_len}: native {med['native']:.1f} µs, sparse {med['sparse']:.1f} µs "
-                  f"(+{rec['sparse_minus_native_us']:.1f}), public API {med['public_api']:.1f} µs; realized "
-                  f"sparsity {rec['realized']:.2f}", flush=True)  # fmt: skip
+                  f"(+{rec['sparse_minus_native_us']:.1f}), public API {med['public_api']:.1f} µs, own targets "
+                  f"{med['sparse_own_targets']:.1f} µs; per step: build {med['build']:.1f} µs, with own targets "
+                  f"{med['build_own_targets']:.1f} µs; realized sparsity {rec['realized']:.2f}", flush=True)
     return records
 
 

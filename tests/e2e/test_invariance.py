@@ -26,6 +26,8 @@ DRIVER = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
 
+    TARGETS = json.loads(sys.argv[5])
+
     def main():
         ckpt, budget, block, prompts_json = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
         prompts = json.load(open(prompts_json))
@@ -39,12 +41,32 @@ DRIVER = textwrap.dedent(
             alone.append(list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids))
             counts.append(llm.collective_rpc("sparse_attn_status")[0]["realized"])
         together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        print("RESULT " + json.dumps({"alone": alone, "together": together, "counts": counts}), flush=True)
+        # per-request targets (sparse_attn_* in SamplingParams.extra_args): alone, then all in one batch
+        own = [SamplingParams(temperature=0.0, max_tokens=12, extra_args=x) for x in TARGETS]
+        own_alone, own_counts = [], []
+        for p, sp in zip(prompts, own):
+            llm.collective_rpc("sparse_attn_reset_stats")
+            own_alone.append(list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids))
+            own_counts.append(llm.collective_rpc("sparse_attn_status")[0]["realized"])
+        llm.collective_rpc("sparse_attn_reset_stats")
+        outs = llm.generate(prompts, own, use_tqdm=False)
+        own_together = [list(o.outputs[0].token_ids) for o in outs]
+        own_total = llm.collective_rpc("sparse_attn_status")[0]["realized"]
+        by_user = {v["user_request_id"]: v for v in llm.collective_rpc(
+            "sparse_attn_request_stats", args=([o.request_id for o in outs],))[0].values()}
+        own_per_request = [{ph: by_user[o.request_id][ph] for ph in ("prefill", "decode")} for o in outs]
+        print("RESULT " + json.dumps({"alone": alone, "together": together, "counts": counts, "own_alone": own_alone,
+                                      "own_together": own_together, "own_counts": own_counts,
+                                      "own_total": own_total, "own_per_request": own_per_request}), flush=True)
 
     if __name__ == "__main__":
         main()
     """
 )
+
+
+# Per-request targets of the three prompts: dense, 0.6 for both phases, prefill 0.3 (decode at the checkpoint's 0.5).
+TARGETS = [{"sparse_attn_target": "dense"}, {"sparse_attn_target": 0.6}, {"sparse_attn_prefill_target": 0.3}]
 
 
 def _prompts() -> list[str]:
@@ -77,7 +99,7 @@ def _serve(ckpt, budget: int, block: int, tmp_path) -> dict:
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(_prompts()))
     res = subprocess.run(
-        [sys.executable, str(driver), str(ckpt), str(budget), str(block), str(prompts)],
+        [sys.executable, str(driver), str(ckpt), str(budget), str(block), str(prompts), json.dumps(TARGETS)],
         env=env(PYTHONPATH=str(EXAMPLES)), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
@@ -97,3 +119,17 @@ def test_tokens_and_counts_do_not_depend_on_chunking_batching_or_pages(sparse_ck
         assert run["counts"] == whole["counts"], f"{name}: per-prompt counts differ"
     long_prompt = whole["counts"][2]
     assert long_prompt["prefill"]["skipped"] > 0 and long_prompt["decode"]["skipped"] > 0, long_prompt
+
+    # Per-request targets (issue #28): each request in a mixed batch gets the tokens it gets alone, in both engines,
+    # and the batch's dropped tiles are the sum of each request's alone.
+    for name, run in (("whole", whole), ("chunked, 64-token pages", chunked_paged)):
+        assert run["own_together"] == run["own_alone"], f"{name}: per-request targets depend on the batch"
+        assert run["own_counts"] == whole["own_counts"], f"{name}: per-request counts differ between engines"
+        for phase in ("prefill", "decode"):
+            assert run["own_total"][phase]["skipped"] == sum(c[phase]["skipped"] for c in run["own_counts"])
+    dense, high, low_prefill = whole["own_counts"]
+    assert dense["prefill"]["skipped"] == dense["decode"]["skipped"] == 0, dense
+    sparsity = lambda c, phase: c[phase]["skipped"] / max(c[phase]["visited"], 1)  # noqa: E731
+    for phase in ("prefill", "decode"):  # 0.6 drops more than the checkpoint's 0.5 on the same prompt
+        assert sparsity(high, phase) > sparsity(whole["counts"][1], phase), (high, whole["counts"][1])
+    assert sparsity(low_prefill, "prefill") < sparsity(long_prompt, "prefill"), (low_prefill, long_prompt)

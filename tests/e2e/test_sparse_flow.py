@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 
 import numpy as np
 import pytest
@@ -111,6 +112,19 @@ def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path
         realized = status["realized"]
         assert realized["prefill"]["visited"] > 0 and realized["decode"]["visited"] > 0
         assert realized["prefill"]["skipped"] + realized["decode"]["skipped"] > 0, realized
+        # Per-request targets (vllm_xargs): a bad one is an HTTP 400 naming the key, and the server keeps serving;
+        # a request that asks for dense drops nothing.
+        for xargs, needle in (({"sparse_attn_target": 2}, "sparse_attn_target=2"),
+                              ({"sparse_attn_tagret": 0.5}, "did you mean sparse_attn_target")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 4,
+                                                     "vllm_xargs": xargs})
+            assert err.value.code == 400 and needle in err.value.read().decode(), xargs
+        http_json(base + "/collective_rpc", {"method": "sparse_attn_reset_stats"})
+        http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 16,
+                                             "temperature": 0, "vllm_xargs": {"sparse_attn_target": "dense"}})
+        (status,) = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
+        assert status["realized"]["prefill"]["skipped"] == status["realized"]["decode"]["skipped"] == 0, status
     log = log_path.read_text()
     assert f"sparse attention serving on {NUM_LAYERS} layer(s)" in log, log[-4000:]
     assert "realized sparsity prefill" in log

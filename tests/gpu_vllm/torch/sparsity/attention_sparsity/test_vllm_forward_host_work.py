@@ -67,6 +67,22 @@ class HostWork(TorchDispatchMode):
         return out
 
 
+def _runner(q_lens, kv_lens):
+    """What the plugin reads of vLLM's model runner V1 (ids, prompt lengths, real SamplingParams with a target)."""
+    import types
+
+    import numpy as np
+    from vllm import SamplingParams
+
+    ids = [f"r{i}" for i in range(len(q_lens))]
+    prompts = [k - 1 if q == 1 else k for q, k in zip(q_lens, kv_lens, strict=True)]
+    params = SamplingParams(extra_args={"sparse_attn_target": 0.5})
+    return types.SimpleNamespace(
+        requests={rid: types.SimpleNamespace(sampling_params=params) for rid in ids},
+        input_batch=types.SimpleNamespace(req_ids=ids, num_reqs=len(ids),
+                                          num_prompt_tokens=np.asarray(prompts, dtype=np.int32)))
+
+
 def _settings():
     phase = PhaseCalibration(a=SF, b=0.0, target_sparsity=0.5)
     return SparseAttentionSettings(prefill=phase, decode=phase)
@@ -76,16 +92,21 @@ def _settings():
     "backend, kernel", [("flashinfer", "cpu"), ("flash_attn", "cpu"), ("cpu_attn", "cpu"), ("flash_attn", "triton")]
 )
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 6, 1]], ids=["decode", "mixed"])
-def test_forward_launches_without_host_sync_or_allocation(backend, kernel, q_lens, make_layer):
+@pytest.mark.parametrize("own_targets", [False, True], ids=["checkpoint", "own-targets"])
+def test_forward_launches_without_host_sync_or_allocation(backend, kernel, q_lens, own_targets, make_layer):
+    """`own_targets`: every request sets its own target (issue #28): per-row laws, and each layer also adds its
+    counts into the requests' slots."""
     layer = make_layer(backend, num_heads=HQ, num_kv_heads=HKV, head_size=D)
-    plug.install_sparse_attention([layer], _settings(), backend=kernel)
     kv_lens = [150, 2200, 90] if kernel == "triton" else [150, 200, 90]  # Triton: a second split (its workspace)
+    runner = _runner(q_lens, kv_lens) if own_targets else None
+    plug.install_sparse_attention([layer], _settings(), backend=kernel, model_runner=runner)
     batch = make_batch(q_lens, kv_lens, heads=HQ, kv_heads=HKV, dim=D, page=PAGE, num_blocks=NB)
     cache = make_cache(cache_kind_for(backend), NB, PAGE, HKV, D)
     fill_prefix(cache, batch, PAGE)
     metadata = backend_metadata(layer, batch, page=PAGE)
     plan = getattr(metadata, plug.PLAN_ATTR)
     assert not plan.dense, "the step must run the sparse kernel"
+    assert (plan.request_index is not None) == own_targets
     layer.impl.do_kv_cache_update(layer, batch.k_new, batch.v_new, cache.kv_cache, batch.slot_mapping)
     n = batch.num_tokens
     qkv = torch.randn(n + 2, (HQ + 2 * HKV) * D)  # q as the model hands it: a strided slice of the QKV projection

@@ -7,6 +7,9 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     kv_cache.py     zero-copy K/V views of every cache layout vLLM has used, and the K/V write
     context.py      one engine's mode, settings and kernel, shared by its layers and builders
     prompt_lens.py  where each request's prompt length comes from (model runner V1 / V2)
+    request_targets.py  a request's own targets (SamplingParams.extra_args) and each row's law from them
+    admission.py    per-request targets refused at admission (vLLM's logits-processor validation hook)
+    request_stats.py    realized sparsity per request (device counters, one slot per request)
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
     impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
     backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)
@@ -29,6 +32,7 @@ Public entry points (see each docstring):
     collect_calibration_records(model_or_layers, *, reset=True) -> list[dict]
     merge_calibration_records(records) -> dict
     get_sparsity_stats(model_or_layers) -> dict[str, dict]; reset_sparsity_stats(model_or_layers)
+    get_request_stats(model_or_layers, request_ids=None) -> dict[str, dict]
 """
 
 from __future__ import annotations
@@ -58,7 +62,13 @@ from .impls import (
 from .install import SparseAttentionInstallReport, _layers, install_sparse_attention, uninstall_sparse_attention
 from .kv_cache import _cpu_attn_kv_cache_views, _flash_attn_kv_cache_views, _flashinfer_kv_cache_views
 from .plan import PLAN_ATTR, SparsePlan
-from .stats import collect_calibration_records, get_sparsity_stats, is_sparse_layer, reset_sparsity_stats
+from .stats import (
+    collect_calibration_records,
+    get_request_stats,
+    get_sparsity_stats,
+    is_sparse_layer,
+    reset_sparsity_stats,
+)
 
 __all__ = [
     "CPUAttentionBackendImpl",
@@ -86,6 +96,7 @@ __all__ = [
     "_layers",
     "collect_calibration_records",
     "forward_writes_kv_cache",
+    "get_request_stats",
     "get_sparsity_stats",
     "install_sparse_attention",
     "is_sparse_layer",

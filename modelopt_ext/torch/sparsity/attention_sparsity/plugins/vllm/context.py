@@ -47,6 +47,10 @@ class SparseAttentionContext:
     track_sparsity: bool = True
     prompt_lens: Callable | None = None  # source(common_attn_metadata) -> int32 [num_reqs] | None
     prompt_lens_reason: str | None = None  # why there is no source (the kernel's default applies)
+    # source(num_reqs, context) -> float32 [num_reqs, 4] per-row law | None (plugins/vllm/request_targets.py)
+    request_laws: Callable | None = None
+    request_laws_reason: str | None = None  # why there is no source (every request gets the checkpoint's law)
+    request_counters: object | None = None  # RequestCounters (plugins/vllm/request_stats.py): realized per request
     version: int = 0  # bumped by every reconfiguration; builders refresh their law buffers when it changes
     # calibrate with served laws instead of scale factors: (c_prefill, c_decode, γ_prefill, γ_decode) per trial
     trial_laws: tuple[tuple[float, float, float, float], ...] | None = None

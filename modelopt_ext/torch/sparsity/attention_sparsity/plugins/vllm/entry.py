@@ -7,7 +7,8 @@ When things happen:
 1. The engine's config is created (API-server process, seconds after start, no weights): the checkpoint's
    `sparse_attention_config` is validated from `model_config.hf_config` and what the engine config already says no
    layer can run sparse is refused (plugins/vllm/checks.py); a mistake stops start-up there, one line per reason.
-   A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`.
+   A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`, and the check of
+   per-request targets at admission through vLLM's `logits_processors` (plugins/vllm/admission.py).
 2. Each worker, before `load_model` loads weights: the same checks (engines created without EngineArgs).
 3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm/install.py) gives every covered
    layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
@@ -23,6 +24,7 @@ import functools
 import logging
 
 from ...checkpoint.config_io import hf_config_block
+from .admission import disable_admission_checks, enable_admission_checks
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
 from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
@@ -125,11 +127,13 @@ def _wrap_engine_config_check() -> None:
         config = original(self, *args, **kwargs)
         if getattr(config, "model_config", None) is not None:
             route_logs_through_vllm()
-            if check_checkpoint_config(config.model_config) is not None:
+            settings = check_checkpoint_config(config.model_config)
+            if settings is not None:
                 check_engine_config(config)
             if _carries_block(config.model_config):  # the status RPC answers even with MODELOPT_EXT_SPARSE_ATTN=0
                 parallel = config.parallel_config
                 parallel.worker_extension_cls = worker_extension_cls(parallel.worker_extension_cls or None)
+                enable_admission_checks(config, settings)  # per-request targets: refused at admission if invalid
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)
@@ -175,3 +179,4 @@ def unregister() -> None:
         EngineArgs.create_engine_config = current.__wrapped__
     for cls in _worker_classes():
         _unpatch_worker_class(cls)
+    disable_admission_checks()

@@ -167,6 +167,8 @@ class _SparseImplMixin:
             counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only, totals=totals,
             softcap=state.softcap,
         )  # fmt: skip
+        if totals is not None and counts is not None and plan.request_index is not None:  # per request (device op)
+            plan.request_table.index_add_(0, plan.request_index, counts[:, 0, :])
         if calibrate:
             law_lens, is_decode = plan.record_keys()
             state.records.append((counts, law_lens, is_decode))

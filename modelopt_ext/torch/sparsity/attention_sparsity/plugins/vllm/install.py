@@ -53,6 +53,8 @@ from .env import ENV_STRICT, strict_mode
 from .impls import _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
 from .kv_cache import native_flash_cache_write_op
 from .prompt_lens import prompt_lens_source
+from .request_stats import request_counters_source
+from .request_targets import request_laws_source
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +272,9 @@ def install_sparse_attention(
     config = _current_vllm_config(vllm_config)
     kernel_backend = resolve_kernel_backend(backend, config)
     source, reason = prompt_lens_source(model_runner, config)
+    laws_source, laws_reason = request_laws_source(model_runner)
     new = SparseAttentionContext(mode, settings, kernel_backend, trials, track_sparsity, source, reason,
+                                 laws_source, laws_reason, request_counters_source(model_runner),
                                  trial_laws=trial_laws)
     report = SparseAttentionInstallReport(mode=mode, kernel_backend=kernel_backend)
     report.prompt_lens = source.name if source is not None else f"kernel default ({reason})"
@@ -378,6 +382,10 @@ def _engine_context(targets, new: SparseAttentionContext, source, report):
         context.version += 1
     if source is not None:  # a re-install without a runner keeps the prompt-length source it had
         context.prompt_lens, context.prompt_lens_reason = source, None
+    if new.request_laws is not None:  # and the per-request law source and counters
+        context.request_laws, context.request_laws_reason = new.request_laws, None
+    if context.request_counters is None:
+        context.request_counters = new.request_counters
     report.prompt_lens = (context.prompt_lens.name if context.prompt_lens is not None
                           else f"kernel default ({context.prompt_lens_reason})")
     return context, unchanged

@@ -11,7 +11,9 @@ What the kernel gets per sequence (docs/skip_softmax.md, version 2):
 - `prompt_lens` [B] int32: the request's prompt length (plugins/vllm/prompt_lens.py says where it comes from; the
   kernel's default rule where vLLM does not expose it). A row at `pos < prompt_len` is a prefill row.
 - serving: `log_scale_factors` [B, 2] float32 = (c_prefill, c_decode), c = ln a + b·target (-inf: dense phase), and
-  `length_exponents` [B, 2] = (γ_prefill, γ_decode); ln λ_row = c - γ·ln(n).
+  `length_exponents` [B, 2] = (γ_prefill, γ_decode); ln λ_row = c - γ·ln(n). The checkpoint's law in every row,
+  except the rows of requests that set their own targets (plugins/vllm/request_targets.py): a step with such a
+  request writes every row's law from the host, through pinned staging and one non-blocking copy per tensor.
 - calibration: `log_scale_factors` [B, T, 2] = ln sf_t for both phases, `length_exponents` = 1: dense output and
   counts [B, T, 2] per trial.
 - per sequence, for statistics and calibration records: its phase (decode iff its first new row is at or past
@@ -66,6 +68,8 @@ class SparsePlan:
     decode_only: bool = False  # every sequence has one new row (or none: padding): the kernel skips its prefill grid
     counts: torch.Tensor | None = None  # serve: [B, 1, 2] int64 persistent counts the kernel zeroes and fills
     workspace: tuple | None = None  # the Triton kernel's persistent split-K workspace (None: it allocates)
+    request_index: torch.Tensor | None = None  # serve: [B] int64 row of each sequence in `request_table`
+    request_table: torch.Tensor | None = None  # serve: [slots·2, 2] int64 per-request counts (request_stats.py)
     prompt_lens_from: str = "kernel default"  # where prompt_lens came from this step
     _record_keys: tuple | None = dataclasses.field(default=None, repr=False)
 
@@ -109,7 +113,10 @@ class SparsePlanner:
         # Two pinned staging buffers used in turn: with vLLM's async scheduling the host builds step t+1 while the
         # device may still have step t's non-blocking copy pending, which must not see its source overwritten.
         self._host_prompt_lens = [_pin(torch.zeros(capacity, dtype=torch.int32)) for _ in range(2)]
+        self._host_laws = [_pin(torch.zeros(2, capacity, 2, dtype=torch.float32)) for _ in range(2)]  # (c, γ) rows
         self._staging_turn = 0
+        self._rows_written = None  # the per-request table the law buffers hold (None: the checkpoint's law)
+        self._row_laws = ()  # its distinct laws, for the host's dense decision
         self._law_key = self._trial_key = None
 
     def _ensure_capacity(self, num_reqs: int) -> None:
@@ -135,6 +142,8 @@ class SparsePlanner:
 
     def _refresh_law(self, context) -> None:
         key = (id(context), context.version)
+        if self._rows_written is not None:
+            self._law_key, self._rows_written = None, None
         if context.calibrating:
             if self._trial_key != key:
                 if context.trial_laws:  # folded per sequence each step (plan): ln λ_t = c_t - γ_t·ln n, γ = 0
@@ -167,7 +176,13 @@ class SparsePlanner:
         cam = common_attn_metadata
         b = int(cam.num_reqs)
         self._ensure_capacity(b)
-        self._refresh_law(context)
+        rows = None
+        if context.request_laws is not None and not context.calibrating:
+            rows = context.request_laws(b, context)
+        if rows is None:
+            self._refresh_law(context)
+        elif rows is not self._rows_written:  # the source returns the same table while the batch is unchanged
+            self._write_rows(rows, b)
         seq_lens = cam.seq_lens[:b]
         qsl = cam.query_start_loc[: b + 1]
         q_lens = qsl[1:] - qsl[:-1]
@@ -175,7 +190,6 @@ class SparsePlanner:
         host = context.prompt_lens(cam) if context.prompt_lens is not None else None
         prompt = self.prompt_lens[:b]
         if host is not None:
-            self._staging_turn ^= 1
             staging = self._host_prompt_lens[self._staging_turn][:b]
             staging.copy_(torch.from_numpy(np.ascontiguousarray(host[:b], dtype=np.int32)))
             prompt.copy_(staging, non_blocking=True)
@@ -221,9 +235,28 @@ class SparsePlanner:
             plan.log_scale_factors = self.log_scale_factors[:b]
             plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
             plan.counts = self.counts[:b]
+            counters = context.request_counters
+            if counters is not None and context.track_sparsity:
+                plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device)
+                plan.request_table = counters.flat_table
             if graph_bound is None:  # eager step: the dense path when no row can drop a tile
-                plan.dense = step_is_dense(context.law(), max(max_seq_len, longest_prompt))
+                longest = max(max_seq_len, longest_prompt)
+                laws = [context.law()] if rows is None else self._row_laws
+                plan.dense = all(step_is_dense(law, longest) for law in laws)
+        self._staging_turn ^= 1
         return plan
+
+    def _write_rows(self, rows: np.ndarray, b: int) -> None:
+        """Every row's (c, γ) per phase from the host (requests with their own targets in this step)."""
+        staging = self._host_laws[self._staging_turn]
+        host = staging.numpy()
+        host[0, :b] = rows[:b, :2]
+        host[1, :b] = rows[:b, 2:]
+        self.log_scale_factors[:b].copy_(staging[0, :b], non_blocking=True)
+        self.length_exponents[:b].copy_(staging[1, :b], non_blocking=True)
+        self._rows_written = rows
+        self._row_laws = [((c0, c1), (g0, g1)) for c0, c1, g0, g1 in {tuple(r) for r in rows[:b].tolist()}]
+        self._law_key = None
 
 
 def step_is_dense(law, longest: int) -> bool:

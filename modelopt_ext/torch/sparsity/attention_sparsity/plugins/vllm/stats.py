@@ -58,11 +58,36 @@ def get_sparsity_stats(model_or_layers) -> dict[str, dict[str, dict[str, int]]]:
 
 
 def reset_sparsity_stats(model_or_layers) -> None:
-    """Zero the serving counters of every sparse layer (in place: the tensors keep their addresses)."""
-    for _, state in _sparse_layers(model_or_layers):
-        if state.phase_counts is not None:
-            with torch.inference_mode():  # vLLM's forward created it under inference mode
+    """Zero the serving counters of every sparse layer and of every request (in place: the tensors keep their
+    addresses), and forget finished requests."""
+    with torch.inference_mode():  # vLLM's forward created them under inference mode
+        for _, state in _sparse_layers(model_or_layers):
+            if state.phase_counts is not None:
                 state.phase_counts.zero_()
+        for counters in _request_counters(model_or_layers):
+            counters.reset()
+
+
+def _request_counters(model_or_layers) -> list:
+    seen = {}
+    for _, state in _sparse_layers(model_or_layers):
+        counters = state.context.request_counters
+        if counters is not None:
+            seen[id(counters)] = counters
+    return list(seen.values())
+
+
+def get_request_stats(model_or_layers, request_ids=None) -> dict[str, dict]:
+    """Realized sparsity per request and phase, summed over this worker's sparse layers (plugins/vllm/
+    request_stats.py): {engine request id: {"user_request_id", "finished", "prefill"/"decode": {"visited",
+    "skipped", "sparsity"}}}. `request_ids` keeps those whose engine id or user id is listed. Syncs once."""
+    wanted = None if request_ids is None else {str(r) for r in request_ids}
+    out = {}
+    for counters in _request_counters(model_or_layers):
+        for rid, entry in counters.snapshot().items():
+            if wanted is None or rid in wanted or entry["user_request_id"] in wanted:
+                out[rid] = entry
+    return out
 
 
 def is_sparse_layer(layer) -> bool:

@@ -159,6 +159,14 @@ class SparseAttnWorkerExtension:
             "realized": summarize_stats(stats),
         }
 
+    def sparse_attn_request_stats(self, request_ids=None) -> dict:
+        """Realized sparsity per request (running, and the last finished ones), per phase, on this rank:
+        {engine request id: {"user_request_id", "finished", "prefill", "decode"}}; `request_ids` filters by the
+        engine's id or the user's (vLLM's `RequestOutput.request_id`). Needs vLLM's model runner V1."""
+        from .stats import get_request_stats
+
+        return get_request_stats(worker_model(self), request_ids)
+
     def sparse_attn_reset_stats(self) -> None:
         from .. import vllm as vllm_plugin
 

@@ -1,0 +1,133 @@
+"""Per-request targets checked at admission, through vLLM's public per-request validation hook.
+
+vLLM validates each request's `SamplingParams` before it reaches the engine, and runs there the `validate_params`
+classmethod of every custom logits processor in `model_config.logits_processors`; a ValueError becomes an HTTP 400
+on the OpenAI server and a ValueError from `LLM.generate`, and the engine never sees the request. The plugin adds one
+such processor (whose logits work is nothing) to every engine that serves a checkpoint with a
+`sparse_attention_config` block, when vLLM creates that engine's config (plugins/vllm/entry.py), so a malformed or
+uncovered per-request target (plugins/vllm/request_targets.py) is refused at once, naming the key and the fix.
+
+`validate_params` receives only the request's params, so the checkpoint's settings are kept per process here by
+`enable_admission_checks` (the process that created the engine config is the one that admits its requests). With
+several sparse engines in one process a target must be valid for each of them.
+
+Model runner V2 (vLLM's GPU default from 0.33) takes processors of another interface; its per-request rows are not
+wired yet, so there a request that sets a target is refused at admission with the switch that serves it
+(VLLM_USE_V2_MODEL_RUNNER=0), never served silently at the checkpoint's target.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.v1.sample.logits_processor.interface import LogitsProcessor as _V1LogitsProcessor
+
+from ...checkpoint.config_io import SparseAttentionSettings
+from .request_targets import RequestTargetError, requested_targets, validate_request
+
+logger = logging.getLogger(__name__)
+
+_DISABLED = "disabled"
+_SETTINGS: list = []  # per process: the settings of each sparse engine created here (or _DISABLED)
+_V2_REFUSAL = ("per-request sparse-attention targets need vLLM's model runner V1 on this release; start the server "
+               "with VLLM_USE_V2_MODEL_RUNNER=0, or drop the sparse_attn_* keys")
+
+
+def _check(sampling_params) -> None:
+    extra = getattr(sampling_params, "extra_args", None)
+    if not _SETTINGS or requested_targets(extra) is None:  # parses the keys: a typo is refused here
+        return
+    for settings in _SETTINGS:
+        if settings == _DISABLED:
+            raise RequestTargetError("sparse attention is switched off on this server (MODELOPT_EXT_SPARSE_ATTN=0): "
+                                     "drop the sparse_attn_* keys, or serve with the plugin on")
+        validate_request(extra, settings)
+
+
+class SparseAttentionTargets(_V1LogitsProcessor):
+    """Model runner V1: checks per-request targets at admission; leaves logits untouched."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        _check(sampling_params)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+
+def _v2_class():
+    """The V2-interface processor, defined only where vLLM has the interface."""
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as _V2LogitsProcessor
+    except ImportError:  # pragma: no cover - releases before the V2 runner
+        return None
+
+    class SparseAttentionTargetsV2(_V2LogitsProcessor):
+        """Model runner V2: refuses per-request targets at admission (not wired to its batch yet)."""
+
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            if requested_targets(getattr(sampling_params, "extra_args", None)) is not None:
+                raise RequestTargetError(_V2_REFUSAL)
+
+        def add_request(self, req_idx: int, sampling_params) -> bool:
+            return False
+
+        def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+            return logits
+
+    SparseAttentionTargetsV2.__qualname__ = "SparseAttentionTargetsV2"  # vLLM loads it by module:qualname
+    return SparseAttentionTargetsV2
+
+
+SparseAttentionTargetsV2 = _v2_class()
+
+
+def _fqcn(cls) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def admission_problem(vllm_config) -> str | None:
+    """Why this engine cannot check per-request targets at admission (None: it can)."""
+    model_config = vllm_config.model_config
+    if getattr(model_config, "runner_type", "generate") == "pooling":
+        return "a pooling model takes no logits processors"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "vLLM refuses custom logits processors with speculative decoding"
+    return None
+
+
+def enable_admission_checks(vllm_config, settings: SparseAttentionSettings | None) -> bool:
+    """Check this engine's per-request targets at admission (`settings` None: the plugin is switched off, and any
+    target is refused). Returns False, with one log line, where vLLM has no such hook for this engine."""
+    problem = admission_problem(vllm_config)
+    if problem is not None:
+        logger.warning("per-request sparse-attention targets are not checked at admission (%s): the worker checks "
+                       "them, and serves a request whose keys are invalid at the checkpoint's targets, with a warning",
+                       problem)  # fmt: skip
+        return False
+    entry = _DISABLED if settings is None else settings
+    if entry not in _SETTINGS:
+        _SETTINGS.append(entry)
+    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    cls = SparseAttentionTargetsV2 if v2 and SparseAttentionTargetsV2 is not None else SparseAttentionTargets
+    model_config = vllm_config.model_config
+    processors = list(model_config.logits_processors or ())
+    if not any(p is cls or p == _fqcn(cls) for p in processors):
+        model_config.logits_processors = [*processors, _fqcn(cls)]
+    return True
+
+
+def disable_admission_checks() -> None:
+    """Forget the settings of this process (tests; `entry.unregister`)."""
+    _SETTINGS.clear()

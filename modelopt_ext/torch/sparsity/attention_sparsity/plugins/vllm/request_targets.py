@@ -1,0 +1,193 @@
+"""Per-request targets: a request chooses its own sparsity per phase, through vLLM's per-request channel.
+
+A request sets flat keys in `SamplingParams.extra_args` (on vLLM's OpenAI server: the request's `vllm_xargs`, which
+carries strings and numbers):
+
+    sparse_attn_target            both phases
+    sparse_attn_prefill_target    prefill only (wins over sparse_attn_target)
+    sparse_attn_decode_target     decode only (wins over sparse_attn_target)
+
+A value is a target sparsity (a number, or a string holding one) or "dense"; 0 also means dense. A target must lie
+inside what the checkpoint's calibration observed for that phase (`observed_sparsity_range`; (0, 1) when the
+checkpoint does not carry it, e.g. one exported by ModelOpt), and the phase must be calibrated. The request's rows
+are then served with the checkpoint's law at that target (`PhaseCalibration.at_target`: ln a + b·target and the
+target's γ); the other requests of the batch keep the checkpoint's targets, and since every row's law depends only
+on its own request, their outputs do not change.
+
+Where it is checked: at admission (plugins/vllm/admission.py, an HTTP 400 on the server, a ValueError from
+`LLM.generate`), before the request reaches the engine. The worker parses again when a request enters the batch
+(`RequestLaws`); a value that fails there (an engine without the admission check) is logged as a warning with the
+request id and the request is served at the checkpoint's targets.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ...checkpoint.config_io import SparseAttentionSettings
+from .context import PHASES, phase_law
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "sparse_attn_"
+TARGET_KEY = "sparse_attn_target"
+PHASE_TARGET_KEYS = {"prefill": "sparse_attn_prefill_target", "decode": "sparse_attn_decode_target"}
+KEYS = (TARGET_KEY, *PHASE_TARGET_KEYS.values())
+DENSE = "dense"
+
+Law = tuple[float, float, float, float]  # (c_prefill, c_decode, γ_prefill, γ_decode): ln λ = c - γ·ln n
+
+
+class RequestTargetError(ValueError):
+    """A request's sparse-attention keys are malformed or outside what the checkpoint's calibration covers."""
+
+
+def _value(key: str, raw: Any) -> float | None:
+    """A target from one key's value: None for dense, else a float in (0, 1)."""
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text == DENSE:
+            return None
+        try:
+            raw = float(text)
+        except ValueError:
+            raise RequestTargetError(f"{key}={raw!r}: expected a target sparsity in [0, 1) or 'dense'") from None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise RequestTargetError(f"{key}={raw!r}: expected a target sparsity in [0, 1) or 'dense'")
+    value = float(raw)
+    if not math.isfinite(value) or not 0.0 <= value < 1.0:
+        raise RequestTargetError(f"{key}={raw!r}: a target sparsity lies in [0, 1) (0 or 'dense': dense attention)")
+    return None if value == 0.0 else value
+
+
+def requested_targets(extra_args: Mapping[str, Any] | None) -> dict[str, tuple[float | None, str]] | None:
+    """The phases a request sets, phase -> (target (None: dense), the key that set it); None when it sets none of
+    our keys.
+
+    A key with our prefix that is not one of ours is an error (a typo must not be served at the default).
+    """
+    if not extra_args:
+        return None
+    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(KEY_PREFIX)}
+    if not ours:
+        return None
+    for key in ours:
+        if key not in KEYS:
+            near = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else f" (known: {', '.join(KEYS)})"
+            raise RequestTargetError(f"unknown per-request sparse-attention key {key!r}{hint}")
+    targets: dict[str, tuple[float | None, str]] = {}
+    if TARGET_KEY in ours:
+        both = _value(TARGET_KEY, ours[TARGET_KEY])
+        targets = {phase: (both, TARGET_KEY) for phase in PHASES}
+    for phase, key in PHASE_TARGET_KEYS.items():
+        if key in ours:
+            targets[phase] = (_value(key, ours[key]), key)
+    return targets
+
+
+def request_law(targets: Mapping[str, tuple[float | None, str]], settings: SparseAttentionSettings | None) -> Law:
+    """The law a request's rows are served with: its own targets where it sets them, the checkpoint's elsewhere."""
+    laws = {}
+    for phase in PHASES:
+        calib = settings.phase(phase) if settings is not None else None
+        if phase not in targets:
+            laws[phase] = phase_law(calib)
+            continue
+        target, key = targets[phase]
+        if target is None:
+            laws[phase] = (-math.inf, 1.0)
+            continue
+        if calib is None or calib.a == 0.0:
+            raise RequestTargetError(f"{key}: this checkpoint calibrates no {phase} law, so {phase} is served dense; "
+                                     f"ask for 'dense' or recalibrate {phase}")
+        if calib.is_static:
+            raise RequestTargetError(f"{key}: this checkpoint's {phase} threshold is static (not calibrated against "
+                                     "sparsity), so no target can be chosen; recalibrate")
+        lo, hi = calib.observed_sparsity_range or (0.0, 1.0)
+        if not lo <= target <= hi:
+            raise RequestTargetError(f"{key}={target:g}: outside what this checkpoint's {phase} calibration covers "
+                                     f"[{lo:g}, {hi:g}]; choose a target inside it, or 'dense'")
+        laws[phase] = phase_law(calib.at_target(target))
+    return laws["prefill"][0], laws["decode"][0], laws["prefill"][1], laws["decode"][1]
+
+
+def validate_request(extra_args: Mapping[str, Any] | None, settings: SparseAttentionSettings | None) -> Law | None:
+    """A request's own law, or None when it sets no key; RequestTargetError (a ValueError) when it is invalid."""
+    targets = requested_targets(extra_args)
+    return None if targets is None else request_law(targets, settings)
+
+
+def checkpoint_law(settings: SparseAttentionSettings | None) -> Law:
+    pre = phase_law(settings.prefill if settings is not None else None)
+    dec = phase_law(settings.decode if settings is not None else None)
+    return pre[0], dec[0], pre[1], dec[1]
+
+
+class RequestLaws:
+    """Model runner V1: each row's law for this step, from its request's `sampling_params.extra_args`.
+
+    Called once per step by the planner (not per layer). The per-request parse is cached by request id, and the
+    whole table by the batch's request ids, so a step whose batch did not change costs one list comparison.
+    Returns None when no request of the step sets its own target (the checkpoint's law then fills the buffers).
+    """
+
+    name = "input_batch.req_ids + requests[...].sampling_params.extra_args (model runner V1)"
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self._parsed: dict[str, Law | None] = {}
+        self._last_ids: list | None = None
+        self._last_key = None
+        self._last_table: np.ndarray | None = None
+
+    def _law_of(self, req_id: str, settings) -> Law | None:
+        if req_id in self._parsed:
+            return self._parsed[req_id]
+        state = self._runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        law = None
+        try:
+            law = validate_request(getattr(params, "extra_args", None), settings)
+        except RequestTargetError as exc:
+            logger.warning("request %s: %s; served at the checkpoint's targets", req_id, exc)
+        self._parsed[req_id] = law
+        return law
+
+    def __call__(self, num_reqs: int, context) -> np.ndarray | None:
+        batch = self._runner.input_batch
+        live = min(int(num_reqs), int(batch.num_reqs))
+        ids = batch.req_ids[:live]
+        key = (context.version, id(context.settings), int(num_reqs))
+        if key == self._last_key and ids == self._last_ids:
+            return self._last_table
+        if key[:2] != (self._last_key or (None, None))[:2]:
+            self._parsed.clear()  # the engine was reconfigured: the checkpoint's law (and its ranges) changed
+        else:  # forget requests that left the batch (a preempted one is parsed again when it returns)
+            self._parsed = {rid: self._parsed[rid] for rid in ids if rid in self._parsed}
+        laws = [self._law_of(rid, context.settings) if rid is not None else None for rid in ids]
+        table = None
+        if any(law is not None for law in laws):
+            table = np.empty((int(num_reqs), 4), dtype=np.float32)
+            table[:] = checkpoint_law(context.settings)
+            for row, law in enumerate(laws):
+                if law is not None:
+                    table[row] = law
+        self._last_ids, self._last_key, self._last_table = list(ids), key, table
+        return table
+
+
+def request_laws_source(runner):
+    """`(source, reason)`: the per-request law source of this runner, or None and why there is none."""
+    if runner is None:
+        return None, "no model runner given (direct install)"
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict):
+        return RequestLaws(runner), None
+    return None, f"{type(runner).__name__} is not vLLM's model runner V1 (per-request targets need it)"

@@ -1,0 +1,334 @@
+"""Per-request targets (issue #28): parsed from vLLM's `SamplingParams.extra_args`, refused at admission through
+vLLM's own validation hook, and served per row by the real layers and builders.
+
+The model runner is the one piece that cannot be built here: `V1Runner` holds what the plugin reads of vLLM's model
+runner V1 (`input_batch.req_ids`, `input_batch.num_prompt_tokens`, `requests[id].sampling_params`), with vLLM's
+real `SamplingParams`. Numerics: float32 layers; a row served in a mixed batch against the same row served alone,
+and against the checkpoint served at that target, at atol 1e-6 (same kernel, same law); dense rows against the
+float64 reference at 2e-5.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.attention.backends.flash_attn")  # the helpers build FlashAttention layers
+
+from vllm import SamplingParams  # noqa: E402
+from vllm_plugin_testlib import (  # noqa: E402
+    Batch,
+    attach_kv_cache,
+    backend_metadata,
+    cache_kind_for,
+    dense_reference,
+    engine_config,
+    fill_prefix,
+    make_batch,
+    make_cache,
+    run_layer,
+)
+
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
+    PhaseCalibration,
+    SparseAttentionSettings,
+)
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import admission  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prompt_lens import InputBatchPromptLens  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats import (  # noqa: E402
+    RequestCounters,
+    user_request_id,
+)
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import (  # noqa: E402
+    RequestLaws,
+    RequestTargetError,
+    request_laws_source,
+    requested_targets,
+    validate_request,
+)
+
+PAGE, NB, D = 16, 64, 32
+RANGE = (0.1, 0.9)
+A_PRE, B_PRE, A_DEC, B_DEC = 2.0, 6.0, 0.5, 6.0  # λ < 1 at the tested lengths and targets
+
+
+def _phase(a=A_PRE, b=B_PRE, target=0.5, **extra):
+    return PhaseCalibration(a=a, b=b, target_sparsity=target, observed_sparsity_range=RANGE, **extra)
+
+
+def _settings(prefill=True, decode=True, target=0.5):
+    return SparseAttentionSettings(prefill=_phase(target=target) if prefill else None,
+                                   decode=_phase(a=A_DEC, b=B_DEC, target=target) if decode else None)
+
+
+class V1Runner:
+    """What the plugin reads of vLLM's model runner V1, for requests (id, prompt length, extra_args)."""
+
+    def __init__(self, requests):
+        self.requests = {rid: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra))
+                         for rid, _, extra in requests}
+        self.input_batch = types.SimpleNamespace(
+            req_ids=[rid for rid, _, _ in requests], num_reqs=len(requests),
+            num_prompt_tokens=np.asarray([n for _, n, _ in requests], dtype=np.int32))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parsing and the law of a request
+
+
+def test_keys_parse_to_phase_targets():
+    assert requested_targets(None) is None and requested_targets({"other": 1}) is None
+    assert requested_targets({"sparse_attn_target": 0.7}) == {"prefill": (0.7, "sparse_attn_target"),
+                                                              "decode": (0.7, "sparse_attn_target")}
+    both_then_decode = requested_targets({"sparse_attn_target": "0.3", "sparse_attn_decode_target": "dense"})
+    assert both_then_decode == {"prefill": (0.3, "sparse_attn_target"), "decode": (None, "sparse_attn_decode_target")}
+    assert requested_targets({"sparse_attn_prefill_target": 0}) == {"prefill": (None, "sparse_attn_prefill_target")}
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"sparse_attn_targt": 0.5}, "did you mean sparse_attn_target"),
+    ({"sparse_attn_target": 1.0}, "lies in [0, 1)"),
+    ({"sparse_attn_target": -0.1}, "lies in [0, 1)"),
+    ({"sparse_attn_target": float("nan")}, "lies in [0, 1)"),
+    ({"sparse_attn_target": True}, "expected a target sparsity"),
+    ({"sparse_attn_decode_target": "fast"}, "expected a target sparsity"),
+    ({"sparse_attn_decode_target": [0.5]}, "expected a target sparsity"),
+])
+def test_malformed_keys_are_refused_by_name(extra, needle):
+    with pytest.raises(RequestTargetError) as err:
+        validate_request(extra, _settings())
+    assert needle in str(err.value) and next(iter(extra)) in str(err.value)
+
+
+def test_law_is_the_checkpoint_law_at_the_requested_target():
+    settings = _settings()
+    law = validate_request({"sparse_attn_prefill_target": 0.8}, settings)
+    assert law[0] == pytest.approx(math.log(A_PRE) + B_PRE * 0.8)  # ln a + b·target
+    assert law[1] == pytest.approx(settings.decode.log_scale_factor)  # decode keeps the checkpoint's target
+    assert law[2:] == (1.0, 1.0)
+    assert validate_request({"sparse_attn_target": "dense"}, settings)[:2] == (-math.inf, -math.inf)
+    # γ moves with the target along the checkpoint's slope, as a checkpoint served at that target would
+    sloped = SparseAttentionSettings(prefill=_phase(length_exponent=1.2, length_exponent_slope=0.5), decode=None)
+    law = validate_request({"sparse_attn_prefill_target": 0.8}, sloped)
+    at = sloped.prefill.at_target(0.8)
+    assert law[0] == pytest.approx(at.log_scale_factor) and law[2] == pytest.approx(at.length_exponent)
+    assert law[2] != pytest.approx(1.2)
+
+
+def test_targets_outside_the_calibration_are_refused():
+    with pytest.raises(RequestTargetError, match=r"decode calibration covers \[0.1, 0.9\]"):
+        validate_request({"sparse_attn_decode_target": 0.95}, _settings())
+    with pytest.raises(RequestTargetError, match="calibrates no decode law"):
+        validate_request({"sparse_attn_target": 0.5}, _settings(decode=False))
+    # dense is always possible, even for a phase the checkpoint serves dense
+    assert validate_request({"sparse_attn_decode_target": "dense"}, _settings(decode=False))[1] == -math.inf
+    static = SparseAttentionSettings(prefill=PhaseCalibration(a=0.01, b=0.0, target_sparsity=0.5, length_exponent=0.0),
+                                     decode=None)
+    with pytest.raises(RequestTargetError, match="static"):
+        validate_request({"sparse_attn_prefill_target": 0.5}, static)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Admission: vLLM's own per-request validation of custom logits processors
+
+
+def test_admission_through_vllm_validation_hook(monkeypatch):
+    """Model runner V1 (the CPU engine's; VLLM_USE_V2_MODEL_RUNNER=0 on the GPU)."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    config = engine_config()
+    assert not config.use_v2_model_runner
+    saved = config.model_config.logits_processors
+    try:
+        assert admission.enable_admission_checks(config, _settings())
+        assert admission.enable_admission_checks(config, _settings())  # idempotent: one entry
+        processors = config.model_config.logits_processors
+        assert processors.count(admission._fqcn(admission.SparseAttentionTargets)) == 1
+
+        def validate(extra):
+            validate_logits_processors_parameters(processors, SamplingParams(extra_args=extra))
+
+        validate({"sparse_attn_target": 0.5})
+        validate(None)
+        validate({"unrelated": "x"})
+        with pytest.raises(VLLMValidationError, match="sparse_attn_decode_target=0.95: outside"):
+            validate({"sparse_attn_decode_target": 0.95})
+        with pytest.raises(VLLMValidationError, match="did you mean"):
+            validate({"sparse_attn_tagret": 0.5})
+        admission.disable_admission_checks()
+        admission.enable_admission_checks(config, None)  # the plugin switched off: any target is refused
+        with pytest.raises(VLLMValidationError, match="MODELOPT_EXT_SPARSE_ATTN=0"):
+            validate({"sparse_attn_target": 0.5})
+    finally:
+        admission.disable_admission_checks()
+        config.model_config.logits_processors = saved
+
+
+def test_model_runner_v2_refuses_targets_at_admission(monkeypatch):
+    """Model runner V2 takes its own processor interface; per-request rows are not wired there: refused by name."""
+    from vllm.exceptions import VLLMValidationError
+
+    if admission.SparseAttentionTargetsV2 is None:
+        pytest.skip("this vLLM has no model runner V2 logits-processor interface")
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    config = engine_config()
+    saved = config.model_config.logits_processors
+    try:
+        assert config.use_v2_model_runner and admission.enable_admission_checks(config, _settings())
+        (fqcn,) = config.model_config.logits_processors
+        assert fqcn.endswith(":SparseAttentionTargetsV2")
+        validate = build_custom_logits_processors_params_validator([fqcn])  # loads it by name, as the server does
+        validate(SamplingParams())
+        with pytest.raises(VLLMValidationError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+            validate(SamplingParams(extra_args={"sparse_attn_target": 0.5}))
+    finally:
+        admission.disable_admission_checks()
+        config.model_config.logits_processors = saved
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The plan and the forward
+
+
+def test_plan_rows_follow_each_request_and_fall_back_to_the_checkpoint(make_layer, vllm_config):
+    layer = make_layer("flash_attn", head_size=D)
+    settings = _settings()
+    runner = V1Runner([("a", 40, {"sparse_attn_target": 0.8}), ("b", 200, None),
+                       ("c", 30, {"sparse_attn_decode_target": "dense"})])
+    plug.install_sparse_attention([layer], settings, model_runner=runner)
+    batch = make_batch([1, 64, 1], [41, 64, 31], dim=D, page=PAGE, num_blocks=NB)
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
+    c_pre, c_dec = settings.prefill.log_scale_factor, settings.decode.log_scale_factor
+    expected = torch.tensor([[math.log(A_PRE) + B_PRE * 0.8, math.log(A_DEC) + B_DEC * 0.8], [c_pre, c_dec],
+                             [c_pre, -math.inf]], dtype=torch.float32)
+    assert torch.equal(plan.log_scale_factors, expected)
+    # the next step has no request with its own target: every row gets the checkpoint's law back
+    runner.requests["a"].sampling_params = SamplingParams()
+    runner.input_batch.req_ids = ["d", "b", "e"]
+    runner.requests.update({"d": runner.requests["a"], "e": runner.requests["a"]})
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
+    assert torch.equal(plan.log_scale_factors, torch.tensor([[c_pre, c_dec]] * 3, dtype=torch.float32))
+
+
+def test_request_law_cache_follows_the_batch():
+    runner = V1Runner([("a", 10, {"sparse_attn_target": 0.3}), ("b", 10, None)])
+    source, reason = request_laws_source(runner)
+    assert isinstance(source, RequestLaws) and reason is None
+    context = types.SimpleNamespace(version=0, settings=_settings())
+    first = source(2, context)
+    assert source(2, context) is first  # same batch, same engine settings: nothing recomputed
+    runner.input_batch.req_ids = ["b", "a"]  # vLLM condensed the batch: rows moved
+    moved = source(2, context)
+    assert np.array_equal(moved, first[::-1])
+    runner.input_batch.req_ids, runner.input_batch.num_reqs = ["b"], 1
+    assert source(1, context) is None  # no request of this step sets a target
+    assert request_laws_source(None)[0] is None
+    assert "model runner V1" in request_laws_source(types.SimpleNamespace(req_states=object()))[1]
+
+
+def test_a_bad_value_reaching_the_worker_is_logged_and_served_at_the_checkpoint(caplog):
+    runner = V1Runner([("bad", 10, {"sparse_attn_target": 5})])
+    context = types.SimpleNamespace(version=0, settings=_settings())
+    with caplog.at_level("WARNING", logger="modelopt_ext"):
+        assert RequestLaws(runner)(1, context) is None
+    assert "request bad: sparse_attn_target=5" in caplog.text and "checkpoint's targets" in caplog.text
+
+
+def _one(batch: Batch, i: int) -> Batch:
+    """Sequence i of a batch, alone."""
+    s, e = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+    return Batch([batch.q_lens[i]], [batch.kv_lens[i]], batch.q[s:e], batch.k_new[s:e], batch.v_new[s:e],
+                 [batch.k_seq[i]], [batch.v_seq[i]], batch.block_table[i : i + 1], batch.slot_mapping[s:e],
+                 torch.tensor([0, e - s], dtype=torch.int32), batch.seq_lens[i : i + 1])
+
+
+def _peaked_batch(gen):
+    batch = make_batch([96, 1, 1], [300, 260, 220], dim=D, page=PAGE, num_blocks=NB, gen=gen)
+    for k in batch.k_seq:  # a strong first tile, so later tiles drop at every target
+        k[:64, :, 0] += 8.0
+    return batch
+
+
+def _serve(layer, vllm_config, batch, runner):
+    """One step of `batch` with `runner`'s requests: (output, this layer's counts, per-request counts)."""
+    context = layer.impl._modelopt_sparse.context
+    context.request_laws, context.prompt_lens = RequestLaws(runner), InputBatchPromptLens(runner)
+    context.request_counters = RequestCounters(runner)
+    plug.reset_sparsity_stats([layer])
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
+    return out, plug.get_sparsity_stats([layer])[layer.layer_name], plug.get_request_stats([layer])
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
+def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_layer, vllm_config):
+    """Three requests at 0.2, 0.8 and dense in one step: each row equals the row served alone, and equals the
+    checkpoint served at that target; the dense request equals the float64 reference; skipped tiles add up."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    batch = _peaked_batch(gen)
+    requests = [("lo", 300, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
+                ("dense", 100, {"sparse_attn_target": "dense"})]
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], _settings())
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    attach_kv_cache(layer, cache.kv_cache)
+    mixed, mixed_counts, per_request = _serve(layer, vllm_config, batch, V1Runner(requests))
+    rows = batch.query_start_loc.tolist()
+    alone_counts = []
+    for i, request in enumerate(requests[:2]):  # the dense request alone takes vLLM's native path: not counted
+        alone, counts, _ = _serve(layer, vllm_config, _one(batch, i), V1Runner([request]))
+        alone_counts.append(counts)
+        torch.testing.assert_close(mixed[rows[i] : rows[i + 1]], alone, atol=1e-6, rtol=0)
+        # realized per request in the mixed step = the request's own counts
+        for phase in ("prefill", "decode"):
+            assert {k: per_request[request[0]][phase][k] for k in ("visited", "skipped")} == counts[phase]
+    assert per_request["dense"]["decode"]["skipped"] == 0 and per_request["dense"]["decode"]["visited"] > 0
+    for phase in ("prefill", "decode"):  # the dense request's rows are visited in the mixed step, never skipped
+        assert mixed_counts[phase]["skipped"] == sum(c[phase]["skipped"] for c in alone_counts)
+    assert alone_counts[0]["prefill"]["skipped"] > 0 and alone_counts[1]["decode"]["skipped"] > 0
+    dense = dense_reference(batch, layer.impl.scale).reshape(batch.num_tokens, -1).float()
+    torch.testing.assert_close(mixed[rows[2] : rows[3]], dense[rows[2] : rows[3]], atol=2e-5, rtol=0)
+    # the same rows from a checkpoint whose own target is the request's
+    for i, target in ((0, 0.2), (1, 0.8)):
+        plug.install_sparse_attention([layer], _settings(target=target))
+        served, _, _ = _serve(layer, vllm_config, _one(batch, i), V1Runner([(requests[i][0], requests[i][1], None)]))
+        torch.testing.assert_close(mixed[rows[i] : rows[i + 1]], served, atol=1e-6, rtol=0)
+
+
+def test_request_counters_keep_finished_requests_and_free_their_slots():
+    """Rows add into their request's slot across steps; a preempted request keeps its counts; a finished one is
+    kept after its slot is zeroed and reused."""
+    runner = V1Runner([("a-0123abcd", 10, None), ("b", 10, None)])
+    counters = RequestCounters(runner)
+    phases = torch.tensor([0, 1])
+
+    def step(ids, counts):
+        runner.input_batch.req_ids, runner.input_batch.num_reqs = ids, len(ids)
+        index = counters.step(len(ids), 4, phases[: len(ids)], "cpu")
+        counters.flat_table.index_add_(0, index, torch.tensor(counts, dtype=torch.int64))
+
+    step(["a-0123abcd", "b"], [[10, 4], [7, 1]])
+    step(["b", "a-0123abcd"], [[5, 2], [3, 3]])  # rows swapped, phases by row: b prefill, a decode
+    step(["b"], [[1, 1]])  # a preempted: not in this step, still in the runner
+    snap = counters.snapshot()
+    assert snap["a-0123abcd"]["prefill"] == {"visited": 10, "skipped": 4, "sparsity": 0.4}
+    assert snap["a-0123abcd"]["decode"]["skipped"] == 3 and not snap["a-0123abcd"]["finished"]
+    assert snap["a-0123abcd"]["user_request_id"] == "a" == user_request_id("a-0123abcd")
+    assert snap["b"]["prefill"]["visited"] == 6 and snap["b"]["decode"]["visited"] == 7
+    del runner.requests["a-0123abcd"]  # finished: vLLM dropped its state
+    runner.requests["c"] = runner.requests["b"]
+    step(["b", "c"], [[0, 0], [2, 1]])
+    snap = counters.snapshot()
+    assert snap["a-0123abcd"]["finished"] and snap["a-0123abcd"]["decode"]["visited"] == 3
+    assert snap["c"]["decode"] == {"visited": 2, "skipped": 1, "sparsity": 0.5}  # the freed slot starts at zero
+    counters.reset()
+    assert "a-0123abcd" not in counters.snapshot() and counters.snapshot()["b"]["prefill"]["visited"] == 0
