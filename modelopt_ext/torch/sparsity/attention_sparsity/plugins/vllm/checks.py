@@ -300,6 +300,27 @@ def check_checkpoint_config(model_config) -> SparseAttentionSettings | None:
         ) from None
 
 
+def ray_problem(vllm_config, platform=None) -> str | None:
+    """`--distributed-executor-backend ray` on a platform whose vLLM runs no Ray workers (`ray_device_key` empty:
+    vLLM's CPU platform in 0.32 / 0.33). vLLM itself refuses it, but only inside the engine core, after Ray has
+    started a cluster ("current platform cpu does not support ray"); the engine config says so first, with the fix.
+    On CUDA vLLM runs Ray workers, and the plugin's hooks load in them like in its own workers (not run here: no
+    GPU)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
+    if "ray" not in str(name).lower():
+        return None
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    if getattr(platform, "ray_device_key", ""):
+        return None
+    device = getattr(platform, "device_name", "this") or "this"
+    return (f"--distributed-executor-backend ray: vLLM's {device} platform runs no Ray workers (its ray_device_key "
+            "is empty; vLLM stops in the engine core otherwise); use vLLM's default multiprocessing backend, which "
+            "runs tensor and pipeline parallelism on the CPU")
+
+
 def pipeline_parallel_problem(vllm_config) -> str | None:
     """Pipeline parallelism on vLLM's CPU engine in eager mode: the CPU model runner skips its warm-up when nothing
     is compiled, and that warm-up is what allocates the buffers the later stages receive into, so the first step
@@ -321,9 +342,9 @@ def check_engine_config(vllm_config) -> None:
     reason: layers that will be served dense (sliding window, a quantized KV cache, MLA, a CPU attention ISA whose
     cache layout the kernels do not read). Strict mode (MODELOPT_EXT_SPARSE_ATTN_STRICT=1): an error. Else said once;
     such layers keep vLLM's own backend (the engine serves dense when no layer is left)."""
-    problem = pipeline_parallel_problem(vllm_config)
-    if problem is not None:
-        raise ValueError(f"sparse attention: {problem}")
+    for problem in (pipeline_parallel_problem(vllm_config), ray_problem(vllm_config)):
+        if problem is not None:
+            raise ValueError(f"sparse attention: {problem}")
     predicted = predicted_dense_layers(vllm_config)
     if not predicted:
         return
