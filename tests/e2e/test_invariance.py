@@ -65,8 +65,10 @@ DRIVER = textwrap.dedent(
 )
 
 
-# Per-request targets of the three prompts: dense, 0.6 for both phases, prefill 0.3 (decode at the checkpoint's 0.5).
-TARGETS = [{"sparse_attn_target": "dense"}, {"sparse_attn_target": 0.6}, {"sparse_attn_prefill_target": 0.3}]
+# Per-request targets of the three prompts: dense, 0.6 for both phases, prefill 0.3 with decode feedback holding the
+# checkpoint's decode target 0.5 (the feedback depends on the request's own counts only: still batch-invariant).
+TARGETS = [{"sparse_attn_target": "dense"}, {"sparse_attn_target": 0.6},
+           {"sparse_attn_prefill_target": 0.3, "sparse_attn_decode_feedback": True}]
 
 
 def _prompts() -> list[str]:

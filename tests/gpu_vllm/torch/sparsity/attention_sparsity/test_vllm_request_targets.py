@@ -332,3 +332,76 @@ def test_request_counters_keep_finished_requests_and_free_their_slots():
     assert snap["c"]["decode"] == {"visited": 2, "skipped": 1, "sparsity": 0.5}  # the freed slot starts at zero
     counters.reset()
     assert "a-0123abcd" not in counters.snapshot() and counters.snapshot()["b"]["prefill"]["visited"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Decode feedback
+
+
+def test_feedback_key_parses_and_needs_a_decode_target():
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import checkpoint_law, request_row
+
+    row = request_row({"sparse_attn_decode_feedback": True}, _settings())
+    assert row[:4] == checkpoint_law(_settings()) and row[4:] == (0.5, B_DEC)  # the checkpoint's target
+    row = request_row({"sparse_attn_decode_target": 0.7, "sparse_attn_decode_feedback": "on"}, _settings())
+    assert row[4:] == (pytest.approx(0.7), B_DEC)
+    assert request_row({"sparse_attn_decode_feedback": "false"}, _settings())[4:] == (0.0, 0.0)
+    with pytest.raises(RequestTargetError, match="expected true or false"):
+        request_row({"sparse_attn_decode_feedback": "maybe"}, _settings())
+    with pytest.raises(RequestTargetError, match="feedback holds a decode target"):
+        request_row({"sparse_attn_decode_target": "dense", "sparse_attn_decode_feedback": 1}, _settings())
+
+
+def _plant(target, offset, shift, slope):
+    """A decode 'model' for one kind of text: the share of tiles a step drops when the request's law is the
+    checkpoint's at `target` (c = c(0.5) + b·(target - 0.5)) moved by δ. Linear in ln λ, as the fit assumes, but
+    with the slope and intercept this text has, not those the calibration fitted (b, and 0.5 at target 0.5)."""
+    return min(max(0.5 + (B_DEC * (target - 0.5) + offset - shift) / slope, 0.0), 1.0)
+
+
+@pytest.mark.parametrize("shift, slope", [(-0.8, 8.0), (1.0, 4.0)], ids=["realizes-too-much", "realizes-too-little"])
+def test_feedback_drives_a_request_to_its_decode_target(shift, slope):
+    """Two requests with feedback, one without, through RequestCounters' device ops: each step's decode counts are
+    what the plant drops at the request's current δ; the feedback requests reach their targets within 0.02 in 30
+    steps, δ stays within its bound, and the request without feedback keeps δ = 0."""
+    runner = V1Runner([("a", 10, None), ("b", 10, None), ("c", 10, None)])
+    counters = RequestCounters(runner)
+    phases = torch.ones(3, dtype=torch.int64)
+    gain = torch.tensor([B_DEC, B_DEC, 0.0])
+    target = torch.tensor([0.5, 0.3, 0.5])
+    visited = 10_000
+    offsets = torch.zeros(3)
+    realized = []
+    for _ in range(30):
+        index = counters.step(3, 4, phases, "cpu")
+        offsets = counters.decode_offsets(3, gain, target)
+        drops = [_plant(float(t), float(d), shift, slope) for t, d in zip(target, offsets, strict=True)]
+        realized.append(drops)
+        counts = torch.tensor([[visited, round(visited * s)] for s in drops], dtype=torch.int64)
+        counters.flat_table.index_add_(0, index, counts)
+    last = realized[-1]
+    assert abs(last[0] - 0.5) < 0.02 and abs(last[1] - 0.3) < 0.02, realized[-5:]
+    assert float(offsets[2]) == 0.0 and abs(realized[0][2] - realized[-1][2]) == 0.0
+    assert bool((offsets.abs() <= 0.3 * B_DEC + 1e-6).all())
+
+
+def test_feedback_moves_the_planned_law_of_its_request_only(make_layer, vllm_config):
+    """Through the real builder: after a step whose decode rows dropped nothing, the next plan raises c_decode of the
+    feedback request by η·b·target and leaves the other request's law as it was."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats import FEEDBACK_RATE
+
+    layer = make_layer("flash_attn", head_size=D)
+    settings = _settings()
+    runner = V1Runner([("fb", 40, {"sparse_attn_decode_feedback": True}), ("plain", 30, {"sparse_attn_target": 0.5})])
+    plug.install_sparse_attention([layer], settings, model_runner=runner)
+    batch = make_batch([1, 1], [41, 31], dim=D, page=PAGE, num_blocks=NB)
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
+    base = settings.decode.log_scale_factor
+    assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base, base])
+    assert not plan.dense  # feedback moves λ on the device: the host never takes the dense path for it
+    plan.request_table.index_add_(0, plan.request_index, torch.tensor([[500, 0], [500, 0]]))  # a step, no drops
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
+    step = FEEDBACK_RATE * B_DEC * 0.5
+    assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base + step, base], abs=1e-5)
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)  # no new counts: δ holds
+    assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base + step, base], abs=1e-5)

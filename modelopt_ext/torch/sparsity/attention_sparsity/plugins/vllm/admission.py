@@ -24,7 +24,7 @@ import torch
 from vllm.v1.sample.logits_processor.interface import LogitsProcessor as _V1LogitsProcessor
 
 from ...checkpoint.config_io import SparseAttentionSettings
-from .request_targets import RequestTargetError, requested_targets, validate_request
+from .request_targets import RequestTargetError, request_row, requested_targets
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def _check(sampling_params) -> None:
         if settings == _DISABLED:
             raise RequestTargetError("sparse attention is switched off on this server (MODELOPT_EXT_SPARSE_ATTN=0): "
                                      "drop the sparse_attn_* keys, or serve with the plugin on")
-        validate_request(extra, settings)
+        request_row(extra, settings)
 
 
 class SparseAttentionTargets(_V1LogitsProcessor):

@@ -113,7 +113,11 @@ class SparsePlanner:
         # Two pinned staging buffers used in turn: with vLLM's async scheduling the host builds step t+1 while the
         # device may still have step t's non-blocking copy pending, which must not see its source overwritten.
         self._host_prompt_lens = [_pin(torch.zeros(capacity, dtype=torch.int32)) for _ in range(2)]
-        self._host_laws = [_pin(torch.zeros(2, capacity, 2, dtype=torch.float32)) for _ in range(2)]  # (c, γ) rows
+        # per-request rows, staged: (c, γ) per phase and the decode feedback (target, gain)
+        self._host_laws = [_pin(torch.zeros(3, capacity, 2, dtype=torch.float32)) for _ in range(2)]
+        self._base_c = torch.zeros(capacity, 2, dtype=torch.float32, device=dev)  # rows' c before feedback
+        self._feedback = torch.zeros(capacity, 2, dtype=torch.float32, device=dev)  # (target, gain) per row
+        self._feedback_on = False
         self._staging_turn = 0
         self._rows_written = None  # the per-request table the law buffers hold (None: the checkpoint's law)
         self._row_laws = ()  # its distinct laws, for the host's dense decision
@@ -143,7 +147,7 @@ class SparsePlanner:
     def _refresh_law(self, context) -> None:
         key = (id(context), context.version)
         if self._rows_written is not None:
-            self._law_key, self._rows_written = None, None
+            self._law_key, self._rows_written, self._feedback_on = None, None, False
         if context.calibrating:
             if self._trial_key != key:
                 if context.trial_laws:  # folded per sequence each step (plan): ln λ_t = c_t - γ_t·ln n, γ = 0
@@ -239,8 +243,11 @@ class SparsePlanner:
             if counters is not None and context.track_sparsity:
                 plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device)
                 plan.request_table = counters.flat_table
-            if graph_bound is None:  # eager step: the dense path when no row can drop a tile
-                longest = max(max_seq_len, longest_prompt)
+                if self._feedback_on and rows is not None:  # decode feedback: c_decode = base + δ of the request
+                    offsets = counters.decode_offsets(b, self._feedback[:, 1], self._feedback[:, 0])
+                    torch.add(self._base_c[:b, 1], offsets, out=self.log_scale_factors[:b, 1])
+            if graph_bound is None and not (self._feedback_on and rows is not None):  # eager: dense path when no
+                longest = max(max_seq_len, longest_prompt)  # row can drop a tile (feedback moves λ on the device)
                 laws = [context.law()] if rows is None else self._row_laws
                 plan.dense = all(step_is_dense(law, longest) for law in laws)
         self._staging_turn ^= 1
@@ -250,12 +257,17 @@ class SparsePlanner:
         """Every row's (c, γ) per phase from the host (requests with their own targets in this step)."""
         staging = self._host_laws[self._staging_turn]
         host = staging.numpy()
-        host[0, :b] = rows[:b, :2]
-        host[1, :b] = rows[:b, 2:]
+        host[0, :b] = rows[:b, 0:2]
+        host[1, :b] = rows[:b, 2:4]
+        host[2, :b] = rows[:b, 4:6]
         self.log_scale_factors[:b].copy_(staging[0, :b], non_blocking=True)
         self.length_exponents[:b].copy_(staging[1, :b], non_blocking=True)
+        self._feedback_on = bool((rows[:b, 5] > 0).any())
+        if self._feedback_on:
+            self._base_c[:b].copy_(self.log_scale_factors[:b])
+            self._feedback[:b].copy_(staging[2, :b], non_blocking=True)
         self._rows_written = rows
-        self._row_laws = [((c0, c1), (g0, g1)) for c0, c1, g0, g1 in {tuple(r) for r in rows[:b].tolist()}]
+        self._row_laws = [((c0, c1), (g0, g1)) for c0, c1, g0, g1, *_ in {tuple(r) for r in rows[:b].tolist()}]
         self._law_key = None
 
 

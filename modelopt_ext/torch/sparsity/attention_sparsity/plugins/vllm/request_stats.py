@@ -27,6 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+FEEDBACK_RATE = 0.3  # η: the share of the law's predicted correction applied per step
+FEEDBACK_BOUND = 0.3  # |δ| <= FEEDBACK_BOUND·b: at most this much sparsity-equivalent shift of the law
 SLOTS_PER_SEQ = 4  # slots per max_num_seqs: running requests plus preempted ones that keep their counts
 KEEP_FINISHED = 4096
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # vLLM's InputProcessor appends "-<8 hex>" to the user's request id
@@ -58,6 +60,9 @@ class RequestCounters:
         slots = SLOTS_PER_SEQ * capacity
         self.table = torch.zeros(slots + 1, 2, 2, dtype=torch.int64, device=device)
         self._flat_table = self.table.view(-1, 2)
+        self.offset = torch.zeros(slots + 1, dtype=torch.float32, device=device)  # decode feedback δ per slot
+        self._prev_decode = torch.zeros(slots + 1, 2, dtype=torch.int64, device=device)
+        self._step_decode = torch.zeros(slots + 1, 2, dtype=torch.int64, device=device)
         self.flat_index = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._slots_dev = torch.zeros(capacity, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -89,6 +94,8 @@ class RequestCounters:
         host = torch.empty(2, 2, dtype=torch.int64, pin_memory=self.table.is_cuda)
         host.copy_(self.table[slot], non_blocking=True)
         self.table[slot].zero_()
+        self._prev_decode[slot].zero_()
+        self.offset[slot].zero_()
         self._free.append(slot)
         self._finished[req_id] = host
         while len(self._finished) > KEEP_FINISHED:
@@ -118,6 +125,24 @@ class RequestCounters:
         torch.mul(self._slots_dev[: int(num_reqs)], 2, out=index)
         index.add_(phase_index)
         return index
+
+    def decode_offsets(self, num_reqs: int, gain: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Decode feedback (plugins/vllm/request_targets.py): update each row's request δ from its decode counts of
+        the previous step and return the rows' δ [B]. Device ops only. Called by every planner of a step: the first
+        call takes the step's counts, later ones see none and change nothing."""
+        b = int(num_reqs)
+        decode = self.table[:, 1, :]
+        torch.sub(decode, self._prev_decode, out=self._step_decode)
+        self._prev_decode.copy_(decode)
+        slots = self._slots_dev[:b]
+        step = self._step_decode.index_select(0, slots).to(torch.float32)  # [B, (visited, skipped)]
+        visited = step[:, 0]
+        realized = step[:, 1] / visited.clamp(min=1.0)
+        change = gain[:b] * FEEDBACK_RATE * (target[:b] - realized) * (visited > 0)
+        bound = gain[:b] * FEEDBACK_BOUND
+        rows = torch.minimum(torch.maximum(self.offset.index_select(0, slots) + change, -bound), bound)
+        self.offset.index_copy_(0, slots, rows)  # one row per request; padding rows (gain 0) write 0 to overflow
+        return rows
 
     def snapshot(self) -> dict[str, dict]:
         """{engine request id: {"finished": bool, "prefill"/"decode": {"visited", "skipped", "sparsity"}}}; syncs."""

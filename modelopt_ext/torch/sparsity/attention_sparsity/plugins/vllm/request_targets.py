@@ -6,6 +6,7 @@ carries strings and numbers):
     sparse_attn_target            both phases
     sparse_attn_prefill_target    prefill only (wins over sparse_attn_target)
     sparse_attn_decode_target     decode only (wins over sparse_attn_target)
+    sparse_attn_decode_feedback   true / false: hold the decode target by feedback (below; default false)
 
 A value is a target sparsity (a number, or a string holding one) or "dense"; 0 also means dense. A target must lie
 inside what the checkpoint's calibration observed for that phase (`observed_sparsity_range`; (0, 1) when the
@@ -13,6 +14,12 @@ checkpoint does not carry it, e.g. one exported by ModelOpt), and the phase must
 are then served with the checkpoint's law at that target (`PhaseCalibration.at_target`: ln a + b·target and the
 target's γ); the other requests of the batch keep the checkpoint's targets, and since every row's law depends only
 on its own request, their outputs do not change.
+
+Decode feedback. With `sparse_attn_decode_feedback` on, the request's decode rows get an offset δ on c (ln λ = c + δ
+- γ·ln n), updated on the device once per step from the request's own decode counts of the previous step
+(plugins/vllm/request_stats.py): δ += η·b·(target - realized), bounded by |δ| ≤ 0.3·b, where b is the decode law's
+slope (∂c/∂target, so b·error is the correction the law itself predicts) and η = 0.3 smooths token-to-token noise.
+It depends only on the request's own history, so a request's tokens still do not depend on the batch.
 
 Where it is checked: at admission (plugins/vllm/admission.py, an HTTP 400 on the server, a ValueError from
 `LLM.generate`), before the request reaches the engine. The worker parses again when a request enters the batch
@@ -38,10 +45,14 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "sparse_attn_"
 TARGET_KEY = "sparse_attn_target"
 PHASE_TARGET_KEYS = {"prefill": "sparse_attn_prefill_target", "decode": "sparse_attn_decode_target"}
-KEYS = (TARGET_KEY, *PHASE_TARGET_KEYS.values())
+FEEDBACK_KEY = "sparse_attn_decode_feedback"
+KEYS = (TARGET_KEY, *PHASE_TARGET_KEYS.values(), FEEDBACK_KEY)
 DENSE = "dense"
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 Law = tuple[float, float, float, float]  # (c_prefill, c_decode, γ_prefill, γ_decode): ln λ = c - γ·ln n
+Row = tuple[float, float, float, float, float, float]  # Law + (decode feedback target, feedback gain b; 0: off)
+ROW_WIDTH = 6
 
 
 class RequestTargetError(ValueError):
@@ -82,7 +93,7 @@ def requested_targets(extra_args: Mapping[str, Any] | None) -> dict[str, tuple[f
             near = difflib.get_close_matches(key, KEYS, n=1)
             hint = f" (did you mean {near[0]}?)" if near else f" (known: {', '.join(KEYS)})"
             raise RequestTargetError(f"unknown per-request sparse-attention key {key!r}{hint}")
-    targets: dict[str, tuple[float | None, str]] = {}
+    targets: dict[str, tuple[float | None, str]] = {}  # empty when only the feedback switch is set
     if TARGET_KEY in ours:
         both = _value(TARGET_KEY, ours[TARGET_KEY])
         targets = {phase: (both, TARGET_KEY) for phase in PHASES}
@@ -124,6 +135,35 @@ def validate_request(extra_args: Mapping[str, Any] | None, settings: SparseAtten
     return None if targets is None else request_law(targets, settings)
 
 
+def feedback_requested(extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether a request turns decode feedback on (`sparse_attn_decode_feedback`: a bool, 0/1 or a string)."""
+    raw = (extra_args or {}).get(FEEDBACK_KEY, False)
+    text = str(raw).strip().lower() if isinstance(raw, (str, bool, int)) and not isinstance(raw, float) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise RequestTargetError(f"{FEEDBACK_KEY}={raw!r}: expected true or false")
+
+
+def request_row(extra_args: Mapping[str, Any] | None, settings: SparseAttentionSettings | None) -> Row | None:
+    """A request's row for the plan: its law and its decode feedback (target, gain b; gain 0 when off); None when
+    it sets no key. RequestTargetError when invalid (feedback needs a calibrated, non-dense decode target)."""
+    targets = requested_targets(extra_args)
+    if targets is None:
+        return None
+    law = request_law(targets, settings)
+    if not feedback_requested(extra_args):
+        return (*law, 0.0, 0.0)
+    calib = settings.decode if settings is not None else None
+    target = targets["decode"][0] if "decode" in targets else (calib.target_sparsity if calib is not None else None)
+    if calib is None or calib.a == 0.0 or calib.is_static or target is None or not math.isfinite(law[1]):
+        raise RequestTargetError(f"{FEEDBACK_KEY}: feedback holds a decode target, and this request's decode is "
+                                 "served dense or the checkpoint calibrates no decode law; drop the key or set "
+                                 "sparse_attn_decode_target")
+    return (*law, float(target), float(calib.b))
+
+
 def checkpoint_law(settings: SparseAttentionSettings | None) -> Law:
     pre = phase_law(settings.prefill if settings is not None else None)
     dec = phase_law(settings.decode if settings is not None else None)
@@ -131,7 +171,8 @@ def checkpoint_law(settings: SparseAttentionSettings | None) -> Law:
 
 
 class RequestLaws:
-    """Model runner V1: each row's law for this step, from its request's `sampling_params.extra_args`.
+    """Model runner V1: each row's law and decode feedback (`Row`) for this step, from its request's
+    `sampling_params.extra_args`.
 
     Called once per step by the planner (not per layer). The per-request parse is cached by request id, and the
     whole table by the batch's request ids, so a step whose batch did not change costs one list comparison.
@@ -147,14 +188,14 @@ class RequestLaws:
         self._last_key = None
         self._last_table: np.ndarray | None = None
 
-    def _law_of(self, req_id: str, settings) -> Law | None:
+    def _law_of(self, req_id: str, settings) -> Row | None:
         if req_id in self._parsed:
             return self._parsed[req_id]
         state = self._runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
         law = None
         try:
-            law = validate_request(getattr(params, "extra_args", None), settings)
+            law = request_row(getattr(params, "extra_args", None), settings)
         except RequestTargetError as exc:
             logger.warning("request %s: %s; served at the checkpoint's targets", req_id, exc)
         self._parsed[req_id] = law
@@ -174,8 +215,8 @@ class RequestLaws:
         laws = [self._law_of(rid, context.settings) if rid is not None else None for rid in ids]
         table = None
         if any(law is not None for law in laws):
-            table = np.empty((int(num_reqs), 4), dtype=np.float32)
-            table[:] = checkpoint_law(context.settings)
+            table = np.empty((int(num_reqs), ROW_WIDTH), dtype=np.float32)
+            table[:] = (*checkpoint_law(context.settings), 0.0, 0.0)
             for row, law in enumerate(laws):
                 if law is not None:
                     table[row] = law
