@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -112,6 +113,12 @@ def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path
         realized = status["realized"]
         assert realized["prefill"]["visited"] > 0 and realized["decode"]["visited"] > 0
         assert realized["prefill"]["skipped"] + realized["decode"]["skipped"] > 0, realized
+        # The same counters, read-only on vLLM's Prometheus /metrics (workers write them every LOG_EVERY=4 steps)
+        scrape = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+        visited = [line for line in scrape.splitlines()
+                   if line.startswith('modelopt_sparse_attn_tiles_visited_total{phase="prefill"}')]
+        assert visited and float(visited[0].split()[-1]) > 0, scrape[-3000:]
+        assert 'modelopt_sparse_attn_realized_sparsity{phase="decode"}' in scrape
         # Per-request targets (vllm_xargs): a bad one is an HTTP 400 naming the key, and the server keeps serving;
         # a request that asks for dense drops nothing.
         for xargs, needle in (({"sparse_attn_target": 2}, "sparse_attn_target=2"),

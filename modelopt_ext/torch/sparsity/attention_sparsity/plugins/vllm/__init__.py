@@ -10,6 +10,7 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     request_targets.py  a request's own targets (SamplingParams.extra_args) and each row's law from them
     admission.py    per-request targets refused at admission (vLLM's logits-processor validation hook)
     request_stats.py    realized sparsity per request (device counters, one slot per request)
+    metrics.py      realized sparsity on vLLM's Prometheus /metrics (worker files, a collector in the server)
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
     impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
     backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)

@@ -27,6 +27,7 @@ from ...checkpoint.config_io import hf_config_block
 from .admission import disable_admission_checks, enable_admission_checks
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
+from .metrics import export_to_prometheus, stop_exporting
 from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ def _wrap_engine_config_check() -> None:
                 parallel = config.parallel_config
                 parallel.worker_extension_cls = worker_extension_cls(parallel.worker_extension_cls or None)
                 enable_admission_checks(config, settings)  # per-request targets: refused at admission if invalid
+                export_to_prometheus()  # realized sparsity on this server's /metrics (workers inherit the dir)
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)
@@ -180,3 +182,4 @@ def unregister() -> None:
     for cls in _worker_classes():
         _unpatch_worker_class(cls)
     disable_admission_checks()
+    stop_exporting()

@@ -6,6 +6,8 @@
     MODELOPT_EXT_SPARSE_ATTN_STRICT=1       all or nothing: a layer that cannot run sparse is an error, not kept dense
     MODELOPT_EXT_SPARSE_ATTN_CUDAGRAPH=X    full CUDA graphs for sparse decode: auto (default: a start-up self-test on
                                             the GPU decides), full (declare them, no self-test), never
+    MODELOPT_EXT_SPARSE_ATTN_METRICS_DIR=D  where workers leave their totals for /metrics (default: a private
+                                            directory the server makes and its workers inherit; plugins/vllm/metrics.py)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ ENV_LOG_EVERY = "MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY"
 ENV_BACKEND = "MODELOPT_EXT_SPARSE_ATTN_BACKEND"
 ENV_STRICT = "MODELOPT_EXT_SPARSE_ATTN_STRICT"
 ENV_CUDAGRAPH = "MODELOPT_EXT_SPARSE_ATTN_CUDAGRAPH"
+ENV_METRICS_DIR = "MODELOPT_EXT_SPARSE_ATTN_METRICS_DIR"
 CUDAGRAPH_CHOICES = ("auto", "full", "never")
 DEFAULT_LOG_EVERY = 256
 _OFF = ("0", "false", "off", "no")

@@ -17,8 +17,9 @@ import logging
 
 from ...checkpoint.config_io import SparseAttentionSettings, parse_sparse_attention_config
 from .checks import checkpoint_settings
-from .env import kernel_backend_choice, log_every, sparse_attention_enabled
+from .env import DEFAULT_LOG_EVERY, kernel_backend_choice, log_every, sparse_attention_enabled
 from .install import DENSE_REASONS_ATTR
+from .metrics import write_worker_totals
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +175,17 @@ class SparseAttnWorkerExtension:
 
 
 def _maybe_log_sparsity(worker) -> None:
+    """Every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY steps: the realized-sparsity log line and this worker's totals for
+    Prometheus (plugins/vllm/metrics.py; every 256 steps when the log is off). One read of the counters."""
     every = log_every()
-    if not every:
-        return
     worker._sparse_attn_steps = getattr(worker, "_sparse_attn_steps", 0) + 1
-    if worker._sparse_attn_steps % every:
+    if worker._sparse_attn_steps % (every or DEFAULT_LOG_EVERY):
         return
     from .. import vllm as vllm_plugin
 
     totals = summarize_stats(vllm_plugin.get_sparsity_stats(worker_model(worker)))
-    if any(t["visited"] for t in totals.values()):
+    write_worker_totals(totals)
+    if every and any(t["visited"] for t in totals.values()):
         logger.info(
             "sparse attention after %d steps: realized sparsity prefill %s, decode %s",
             worker._sparse_attn_steps,

@@ -1,0 +1,130 @@
+"""Realized sparsity on vLLM's Prometheus `/metrics`, read-only (issue #28): no RPC, no dev mode.
+
+The counters live in the worker processes; `/metrics` is served by the API server process from prometheus_client's
+default registry. So:
+
+- when vLLM creates an engine config for a checkpoint with a block (the API server process, plugins/vllm/entry.py),
+  `export_to_prometheus` makes a private directory for this server, names it in `ENV_METRICS_DIR` (the engine core
+  and its workers, started later, inherit it) and registers one collector in that process's default registry;
+- each worker writes its per-phase totals there (one small JSON file per worker, replaced atomically) when it
+  already reads its counters for the periodic log line (`MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY`, default every 256
+  steps; every 256 when that log is off), so serving gains no host sync for it;
+- at each scrape the collector sums the files.
+
+Exported (label `phase` = prefill / decode):
+
+    modelopt_sparse_attn_tiles_visited_total    row-tiles the sparse kernels visited (all sparse layers and ranks)
+    modelopt_sparse_attn_tiles_skipped_total    of those, dropped
+    modelopt_sparse_attn_realized_sparsity      skipped / visited
+
+The counters restart at 0 after `sparse_attn_reset_stats` or an engine restart (Prometheus' `rate()` handles that).
+With `--api-server-count > 1` vLLM exports only its multiprocess registry: the metrics are not there, and the
+start-up log says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from .env import ENV_METRICS_DIR
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "modelopt_sparse_attn"
+PHASES = ("prefill", "decode")
+_STATE: dict = {}
+
+
+class SparseAttentionCollector:
+    """A prometheus_client collector summing the workers' files of one directory at each scrape."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def totals(self) -> dict[str, list[int]]:
+        sums = {phase: [0, 0] for phase in PHASES}
+        for path in self.directory.glob("worker-*.json"):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):  # a file being replaced: the next scrape reads it
+                continue
+            for phase in PHASES:
+                counts = data.get(phase, {})
+                sums[phase][0] += int(counts.get("visited", 0))
+                sums[phase][1] += int(counts.get("skipped", 0))
+        return sums
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sums = self.totals()
+        visited = CounterMetricFamily(f"{PREFIX}_tiles_visited", "Row-tiles the sparse attention kernels visited",
+                                      labels=["phase"])  # fmt: skip
+        skipped = CounterMetricFamily(f"{PREFIX}_tiles_skipped", "Row-tiles the sparse attention kernels dropped",
+                                      labels=["phase"])  # fmt: skip
+        ratio = GaugeMetricFamily(f"{PREFIX}_realized_sparsity", "Dropped / visited row-tiles", labels=["phase"])
+        for phase, (v, s) in sums.items():
+            visited.add_metric([phase], v)
+            skipped.add_metric([phase], s)
+            ratio.add_metric([phase], s / v if v else 0.0)
+        yield from (visited, skipped, ratio)
+
+
+def export_to_prometheus() -> Path | None:
+    """Frontend side, once per process: the directory the workers write to, and the collector (None: not exported,
+    and why is logged)."""
+    if "dir" in _STATE:
+        return _STATE["dir"]
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # pragma: no cover - prometheus_client ships with vLLM
+        logger.info("prometheus_client is not installed: realized sparsity is not exported to /metrics")
+        _STATE["dir"] = None
+        return None
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning("vLLM exports only its multiprocess metrics here (--api-server-count > 1): realized "
+                       "sparsity is not on /metrics; read it with the sparse_attn_status RPC")  # fmt: skip
+        _STATE["dir"] = None
+        return None
+    directory = os.environ.get(ENV_METRICS_DIR)
+    if not directory:
+        _STATE["tmp"] = tempfile.TemporaryDirectory(prefix="modelopt_ext_metrics_")  # removed at exit
+        directory = os.environ[ENV_METRICS_DIR] = _STATE["tmp"].name
+    collector = SparseAttentionCollector(Path(directory))
+    REGISTRY.register(collector)
+    _STATE["dir"], _STATE["collector"] = Path(directory), collector
+    return Path(directory)
+
+
+def stop_exporting() -> None:
+    """Undo `export_to_prometheus` in this process (tests; `entry.unregister`)."""
+    collector = _STATE.pop("collector", None)
+    if collector is not None:
+        from prometheus_client import REGISTRY
+
+        REGISTRY.unregister(collector)
+    tmp = _STATE.pop("tmp", None)
+    if tmp is not None:
+        if os.environ.get(ENV_METRICS_DIR) == tmp.name:
+            del os.environ[ENV_METRICS_DIR]
+        tmp.cleanup()
+    _STATE.pop("dir", None)
+
+
+def write_worker_totals(totals: dict, rank_key: str | None = None) -> None:
+    """Worker side: replace this worker's file with its per-phase totals ({phase: {"visited", "skipped"}})."""
+    directory = os.environ.get(ENV_METRICS_DIR)
+    if not directory or not os.path.isdir(directory):
+        return
+    path = Path(directory) / f"worker-{rank_key or os.getpid()}.json"
+    data = {phase: {k: int(totals[phase][k]) for k in ("visited", "skipped")} for phase in PHASES}
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as exc:  # the server's directory went away (it stopped): nothing to export to
+        logger.debug("sparse attention metrics not written (%s)", exc)
