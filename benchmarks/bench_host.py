@@ -38,17 +38,12 @@ HQ, HKV, D, PAGE = 9, 3, 64, 32
 
 
 def _runner(batch: int, kv_len: int, targets: bool):
-    """What the plugin reads of vLLM's model runner V1 (the runner itself needs a whole engine): request ids, prompt
-    lengths and real `SamplingParams`, with a per-request target when `targets`."""
-    import numpy as np
-    from vllm import SamplingParams
+    """What the plugin reads of vLLM's model runner V1 (the runner itself needs a whole engine), with a per-request
+    target on every request when `targets`."""
+    from vllm_plugin_testlib import v1_runner
 
-    ids = [f"req-{i}" for i in range(batch)]
     extra = {"sparse_attn_decode_target": 0.6} if targets else None
-    return types.SimpleNamespace(
-        requests={rid: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra)) for rid in ids},
-        input_batch=types.SimpleNamespace(req_ids=ids, num_reqs=batch,
-                                          num_prompt_tokens=np.full(batch, kv_len - 1, dtype=np.int32)))
+    return v1_runner([(f"req-{i}", kv_len - 1, extra) for i in range(batch)])
 
 
 def _case(batch: int, kv_len: int, sparse: bool, prefix: str, runner=None):

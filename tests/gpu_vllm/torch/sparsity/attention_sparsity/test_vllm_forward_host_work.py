@@ -28,6 +28,7 @@ from vllm_plugin_testlib import (  # noqa: E402
     fill_prefix,
     make_batch,
     make_cache,
+    v1_runner,
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel, paged_skip_softmax_attention  # noqa: E402
@@ -68,19 +69,9 @@ class HostWork(TorchDispatchMode):
 
 
 def _runner(q_lens, kv_lens):
-    """What the plugin reads of vLLM's model runner V1 (ids, prompt lengths, real SamplingParams with a target)."""
-    import types
-
-    import numpy as np
-    from vllm import SamplingParams
-
-    ids = [f"r{i}" for i in range(len(q_lens))]
+    """Every request sets its own target; prompt lengths as the kernel's default rule would take them."""
     prompts = [k - 1 if q == 1 else k for q, k in zip(q_lens, kv_lens, strict=True)]
-    params = SamplingParams(extra_args={"sparse_attn_target": 0.5})
-    return types.SimpleNamespace(
-        requests={rid: types.SimpleNamespace(sampling_params=params) for rid in ids},
-        input_batch=types.SimpleNamespace(req_ids=ids, num_reqs=len(ids),
-                                          num_prompt_tokens=np.asarray(prompts, dtype=np.int32)))
+    return v1_runner([(f"r{i}", n, {"sparse_attn_target": 0.5}) for i, n in enumerate(prompts)])
 
 
 def _settings():

@@ -31,6 +31,7 @@ from vllm_plugin_testlib import (  # noqa: E402
     make_batch,
     make_cache,
     run_layer,
+    v1_runner,
 )
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
@@ -66,15 +67,7 @@ def _settings(prefill=True, decode=True, target=0.5):
                                    decode=_phase(a=A_DEC, b=B_DEC, target=target) if decode else None)
 
 
-class V1Runner:
-    """What the plugin reads of vLLM's model runner V1, for requests (id, prompt length, extra_args)."""
-
-    def __init__(self, requests):
-        self.requests = {rid: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra))
-                         for rid, _, extra in requests}
-        self.input_batch = types.SimpleNamespace(
-            req_ids=[rid for rid, _, _ in requests], num_reqs=len(requests),
-            num_prompt_tokens=np.asarray([n for _, n, _ in requests], dtype=np.int32))
+V1Runner = v1_runner  # what the plugin reads of vLLM's model runner V1 (vllm_plugin_testlib)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -265,6 +265,21 @@ class Batch:
         return int(self.query_start_loc[-1])
 
 
+def v1_runner(requests):
+    """What the plugin reads of vLLM's model runner V1, which needs a whole engine to build: for `requests` =
+    [(request id, prompt length, extra_args)], `input_batch.req_ids` / `num_reqs` / `num_prompt_tokens` and
+    `requests[id].sampling_params` (vLLM's real `SamplingParams`)."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    return types.SimpleNamespace(
+        requests={rid: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra))
+                  for rid, _, extra in requests},
+        input_batch=types.SimpleNamespace(req_ids=[rid for rid, _, _ in requests], num_reqs=len(requests),
+                                          num_prompt_tokens=np.asarray([n for _, n, _ in requests], dtype=np.int32)),
+    )  # fmt: skip
+
+
 def make_batch(
     q_lens, kv_lens, *, heads=4, kv_heads=2, dim=32, page=16, num_blocks=64, dtype=torch.float32, gen=None
 ) -> Batch:
