@@ -17,6 +17,8 @@ cannot be teacher-forced through vLLM's generate).
 
     .venv-cpu/bin/python benchmarks/decode_feedback.py --config CAL/sparse_attention_config.json \\
         --lengths 512,1024 --seeds 0,1 --out artifacts/decode_feedback
+
+`benchmarks/fidelity.py --decode-feedback` runs the same view for each of its `--targets`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def _generate(llm, ids, tokens: int, extra: dict | None):
     return list(out.outputs[0].token_ids), _decode(stats, out.request_id)
 
 
-def run(args) -> dict:
+def run(model, config_path, target: float, lengths, sources, seeds, skip: int, tokens: int, dtype: str) -> dict:
+    """The per-document view at one target (see the module docstring); a JSON-ready dict."""
     from fidelity_engine import _shutdown, heldout_prompts, start_engine
     from transformers import AutoConfig, AutoTokenizer
 
@@ -62,38 +65,51 @@ def run(args) -> dict:
         write_sparse_attention_config,
     )
 
-    config = json.loads(Path(args.config).read_text())
+    config = json.loads(Path(config_path).read_text())
     block = config.get("sparse_attention_config", config)
     settings = parse_sparse_attention_config(block)
     fits = {phase: settings.phase(phase) for phase in ("prefill", "decode")}
-    model = Path(args.model).resolve()
-    work = Path(tempfile.mkdtemp(prefix="decode_feedback_"))
+    model = Path(model).resolve()
+    tmp = tempfile.TemporaryDirectory(prefix="decode_feedback_")  # the checkpoint copy (linked weights)
+    work = Path(tmp.name)
     ckpt = linked_checkpoint_copy(model, work / "ckpt")
-    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=args.target))
+    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=target))
     tokenizer = AutoTokenizer.from_pretrained(model)
     context = int(getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 0) or 1 << 20)
-    total = args.skip + args.tokens
-    items = heldout_prompts(tokenizer, args.sources.split(","), [int(x) for x in args.lengths.split(",")],
-                            [int(x) for x in args.seeds.split(",")], context, total)  # fmt: skip
-    llm = start_engine(ckpt, min(max(len(ids) for *_, ids in items) + total + 1, context), 1, args.dtype)
+    total = skip + tokens
+    items = heldout_prompts(tokenizer, list(sources), list(lengths), list(seeds), context, total)
+    llm = start_engine(ckpt, min(max(len(ids) for *_, ids in items) + total + 1, context), 1, dtype)
     rows, t0 = [], time.time()
     try:
         for source, length, seed, ids in items:
             dense, _ = _generate(llm, ids, total, {"sparse_attn_target": "dense"})
             row = dict(source=source, length=length, seed=seed, tokens=len(ids))
             for mode, extra in (("law", None), ("feedback", {"sparse_attn_decode_feedback": True})):
-                _, (v0, s0) = _generate(llm, ids, args.skip, extra)
+                _, (v0, s0) = _generate(llm, ids, skip, extra)
                 greedy, (v1, s1) = _generate(llm, ids, total, extra)
                 row[mode] = dict(after_skip=(s1 - s0) / max(v1 - v0, 1), whole=s1 / max(v1, 1),
                                  greedy_agree=sum(a == b for a, b in zip(greedy, dense, strict=True)) / total)
             rows.append(row)
             logger.info("%s %d seed %d: decode sparsity after %d tokens %.3f (law) / %.3f (feedback); %.0f s",
-                        source, length, seed, args.skip, row["law"]["after_skip"], row["feedback"]["after_skip"],
+                        source, length, seed, skip, row["law"]["after_skip"], row["feedback"]["after_skip"],
                         time.time() - t0)  # fmt: skip
     finally:
         _shutdown(llm)
-    return dict(model=str(model), config=str(args.config), target=args.target, skip=args.skip, tokens=args.tokens,
-                dtype=args.dtype, seconds=time.time() - t0, documents=rows)  # fmt: skip
+        tmp.cleanup()
+    return dict(model=str(model), config=str(config_path), target=target, skip=skip, tokens=tokens, dtype=dtype,
+                seconds=time.time() - t0, documents=rows)  # fmt: skip
+
+
+def report(result: dict) -> None:
+    """The markdown table of one `run`."""
+    print(f"\ntarget {result['target']:g}: decode sparsity of generated tokens {result['skip'] + 1}.."
+          f"{result['skip'] + result['tokens']}, without / with decode feedback")
+    print("| document | tokens | law | feedback | greedy = dense: law | feedback |")
+    print("|---|---|---|---|---|---|")
+    for r in result["documents"]:
+        print(f"| {r['source']} {r['length']} seed {r['seed']} | {r['tokens']} | {r['law']['after_skip']:.3f} | "
+              f"{r['feedback']['after_skip']:.3f} | {r['law']['greedy_agree']:.2f} | "
+              f"{r['feedback']['greedy_agree']:.2f} |")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -110,15 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("artifacts/decode_feedback"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = run(args)
+    result = run(args.model, args.config, args.target, [int(x) for x in args.lengths.split(",")],
+                 args.sources.split(","), [int(x) for x in args.seeds.split(",")], args.skip, args.tokens, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"| document | tokens | decode sparsity after {args.skip}: law | feedback | greedy = dense: law | feedback |")
-    print("|---|---|---|---|---|---|")
-    for r in result["documents"]:
-        print(f"| {r['source']} {r['length']} seed {r['seed']} | {r['tokens']} | {r['law']['after_skip']:.3f} | "
-              f"{r['feedback']['after_skip']:.3f} | {r['law']['greedy_agree']:.2f} | "
-              f"{r['feedback']['greedy_agree']:.2f} |")  # fmt: skip
+    report(result)
     return 0
 
 

@@ -26,6 +26,10 @@ documents orders per (source, length), their counts summed per cell; the engine 
 a one-document cell's error is the text rather than the law). A cell where the law cannot reach the target (λ >= 1 at
 that length: the row runs dense) is reported as "dense (unreachable)" and does not count towards the error summary.
 Prints markdown tables, writes JSON and a PNG per law (realized vs length, one panel per phase).
+
+`--decode-feedback` (engine path): the per-document view of per-request decode feedback instead
+(benchmarks/decode_feedback.py, issue #28): each held-out document alone at each target, its decode sparsity after
+the first `--feedback-skip` generated tokens without and with `sparse_attn_decode_feedback`.
 """
 
 from __future__ import annotations
@@ -77,8 +81,36 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fit law(s) measured on the same calibration data and held-out passes")
     p.add_argument("--quality-length", type=int, default=None, help="0 skips the quality columns")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--decode-feedback", action="store_true",
+                   help="engine: the per-document view of decode feedback instead (benchmarks/decode_feedback.py): "
+                        "each document alone at each target, decode sparsity after --feedback-skip generated tokens "
+                        "without and with sparse_attn_decode_feedback")
+    p.add_argument("--feedback-skip", type=int, default=64, help="generated tokens before the measured ones")
+    p.add_argument("--feedback-tokens", type=int, default=64, help="generated tokens measured after the skip")
     p.add_argument("--out", default=None, help="output dir (default artifacts/fidelity[_quick])")
     return p.parse_args(argv)
+
+
+def per_document_feedback(args, targets, lengths, sources, out_dir: Path) -> int:
+    """`--decode-feedback`: benchmarks/decode_feedback.py at each target, on the engine path, from `--config` (or a
+    calibration run first); writes decode_feedback.json and prints one table per target."""
+    import decode_feedback
+    import fidelity_engine
+
+    if args.path != "engine":
+        sys.exit("fidelity: --decode-feedback measures vLLM's engine (decode feedback lives in its plan); "
+                 "drop --path hf")
+    config = Path(args.config) if args.config else fidelity_engine.calibrate_with_script(
+        Path(args.model).resolve(), out_dir, args.calib_args)[0]
+    config = config / "config.json" if config.is_dir() else config
+    results = []
+    for target in targets:
+        results.append(decode_feedback.run(args.model, config, target, lengths, sources, _ints(args.seeds),
+                                           args.feedback_skip, args.feedback_tokens, args.dtype))  # fmt: skip
+        decode_feedback.report(results[-1])
+    (out_dir / "decode_feedback.json").write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out_dir / 'decode_feedback.json'}")
+    return 0
 
 
 def _ints(text: str) -> list[int]:
@@ -372,6 +404,8 @@ def main(argv=None) -> int:
         sys.exit(f"fidelity: {args.model} is not a Hugging Face checkpoint directory; run `make model` first")
     laws = ["length", "modelopt"] if args.law == "both" else [args.law]
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.decode_feedback:
+        return per_document_feedback(args, targets, lengths, sources, out_dir)
     if args.path == "engine":
         import fidelity_engine
 
