@@ -226,32 +226,40 @@ class SparsePlanner:
             workspace=self.workspace,
         )
         if context.calibrating:
-            table = self.trial_log_scale_factors[:b]
-            if context.trial_laws:
-                # Every row of a sequence in this step has the sequence's law length, except in a chunk that
-                # recomputes a preempted request's prompt and generated tokens (its generated rows then get the
-                # prompt's length): exact for fidelity measurements, which never preempt.
-                log_n = self.law_lens[:b].clamp(min=1).to(torch.float32).log()
-                torch.sub(self._trial_c[None], self._trial_gamma[None] * log_n[:, None, None], out=table)
-            plan.trial_log_scale_factors = plan.kernel_log_sf = table
-            plan.calibrate = True
+            self._calibration_fields(plan, context, b)
         else:
-            plan.log_scale_factors = self.log_scale_factors[:b]
-            plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
-            plan.counts = self.counts[:b]
-            counters = context.request_counters
-            if counters is not None and context.track_sparsity:
-                plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device)
-                plan.request_table = counters.flat_table
-                if self._feedback_on and rows is not None:  # decode feedback: c_decode = base + δ of the request
-                    offsets = counters.decode_offsets(b, self._feedback[:, 1], self._feedback[:, 0])
-                    torch.add(self._base_c[:b, 1], offsets, out=self.log_scale_factors[:b, 1])
-            if graph_bound is None and not (self._feedback_on and rows is not None):  # eager: dense path when no
-                longest = max(max_seq_len, longest_prompt)  # row can drop a tile (feedback moves λ on the device)
-                laws = [context.law()] if rows is None else self._row_laws
-                plan.dense = all(step_is_dense(law, longest) for law in laws)
+            self._serving_fields(plan, context, b, rows, graph_bound, max(max_seq_len, longest_prompt))
         self._staging_turn ^= 1
         return plan
+
+    def _calibration_fields(self, plan: SparsePlan, context, b: int) -> None:
+        """The per-trial law table: ln sf_t (γ = 1), or each trial's served law folded per sequence."""
+        table = self.trial_log_scale_factors[:b]
+        if context.trial_laws:
+            # Every row of a sequence in this step has the sequence's law length, except in a chunk that
+            # recomputes a preempted request's prompt and generated tokens (its generated rows then get the
+            # prompt's length): exact for fidelity measurements, which never preempt.
+            log_n = self.law_lens[:b].clamp(min=1).to(torch.float32).log()
+            torch.sub(self._trial_c[None], self._trial_gamma[None] * log_n[:, None, None], out=table)
+        plan.trial_log_scale_factors = plan.kernel_log_sf = table
+        plan.calibrate = True
+
+    def _serving_fields(self, plan: SparsePlan, context, b: int, rows, graph_bound, longest: int) -> None:
+        """The law, the counters (per phase and per request), decode feedback, and the host's dense decision."""
+        plan.log_scale_factors = self.log_scale_factors[:b]
+        plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
+        plan.counts = self.counts[:b]
+        feedback = self._feedback_on and rows is not None
+        counters = context.request_counters
+        if counters is not None and context.track_sparsity:
+            plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device)
+            plan.request_table = counters.flat_table
+            if feedback:  # decode feedback: c_decode = the row's base + δ of its request
+                offsets = counters.decode_offsets(b, self._feedback[:, 1], self._feedback[:, 0])
+                torch.add(self._base_c[:b, 1], offsets, out=self.log_scale_factors[:b, 1])
+        if graph_bound is None and not feedback:  # eager: the dense path when no row can drop a tile (not with
+            laws = [context.law()] if rows is None else self._row_laws  # feedback: it moves λ on the device)
+            plan.dense = all(step_is_dense(law, longest) for law in laws)
 
     def _write_rows(self, rows: np.ndarray, b: int) -> None:
         """Every row's (c, γ) per phase from the host (requests with their own targets in this step)."""
