@@ -115,12 +115,17 @@ def stop_exporting() -> None:
     _STATE.pop("dir", None)
 
 
+def exporting() -> bool:
+    """Worker side: whether a server collects this worker's totals (its directory exists)."""
+    directory = os.environ.get(ENV_METRICS_DIR)
+    return bool(directory) and os.path.isdir(directory)
+
+
 def write_worker_totals(totals: dict, rank_key: str | None = None) -> None:
     """Worker side: replace this worker's file with its per-phase totals ({phase: {"visited", "skipped"}})."""
-    directory = os.environ.get(ENV_METRICS_DIR)
-    if not directory or not os.path.isdir(directory):
+    if not exporting():
         return
-    path = Path(directory) / f"worker-{rank_key or os.getpid()}.json"
+    path = Path(os.environ[ENV_METRICS_DIR]) / f"worker-{rank_key or os.getpid()}.json"
     data = {phase: {k: int(totals[phase][k]) for k in ("visited", "skipped")} for phase in PHASES}
     tmp = path.with_suffix(".tmp")
     try:

@@ -276,7 +276,6 @@ class SparsePlanner:
             self._feedback[:b].copy_(staging[2, :b], non_blocking=True)
         self._rows_written = rows
         self._row_laws = [((c0, c1), (g0, g1)) for c0, c1, g0, g1, *_ in {tuple(r) for r in rows[:b].tolist()}]
-        self._law_key = None
 
 
 def step_is_dense(law, longest: int) -> bool:

@@ -25,6 +25,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from .request_targets import ties_rows_to_requests
+
 logger = logging.getLogger(__name__)
 
 FEEDBACK_RATE = 0.3  # η: the share of the law's predicted correction applied per step
@@ -170,7 +172,4 @@ class RequestCounters:
 
 def request_counters_source(runner):
     """A `RequestCounters` for this runner, or None where rows cannot be tied to requests (not model runner V1)."""
-    batch = getattr(runner, "input_batch", None) if runner is not None else None
-    if batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict):
-        return RequestCounters(runner)
-    return None
+    return RequestCounters(runner) if ties_rows_to_requests(runner) else None

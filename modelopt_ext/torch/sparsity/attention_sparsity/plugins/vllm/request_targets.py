@@ -165,9 +165,8 @@ def request_row(extra_args: Mapping[str, Any] | None, settings: SparseAttentionS
 
 
 def checkpoint_law(settings: SparseAttentionSettings | None) -> Law:
-    pre = phase_law(settings.prefill if settings is not None else None)
-    dec = phase_law(settings.decode if settings is not None else None)
-    return pre[0], dec[0], pre[1], dec[1]
+    """The law of a request that sets no target."""
+    return request_law({}, settings)
 
 
 class RequestLaws:
@@ -224,11 +223,17 @@ class RequestLaws:
         return table
 
 
+def ties_rows_to_requests(runner) -> bool:
+    """Whether the runner is vLLM's model runner V1 as the per-request pieces read it: the persistent batch's
+    `input_batch.req_ids` (metadata row i is batch row i) and `requests[id].sampling_params`."""
+    batch = getattr(runner, "input_batch", None) if runner is not None else None
+    return batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict)
+
+
 def request_laws_source(runner):
     """`(source, reason)`: the per-request law source of this runner, or None and why there is none."""
     if runner is None:
         return None, "no model runner given (direct install)"
-    batch = getattr(runner, "input_batch", None)
-    if batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict):
+    if ties_rows_to_requests(runner):
         return RequestLaws(runner), None
     return None, f"{type(runner).__name__} is not vLLM's model runner V1 (per-request targets need it)"

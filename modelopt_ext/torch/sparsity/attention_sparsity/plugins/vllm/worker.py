@@ -19,7 +19,7 @@ from ...checkpoint.config_io import SparseAttentionSettings, parse_sparse_attent
 from .checks import checkpoint_settings
 from .env import DEFAULT_LOG_EVERY, kernel_backend_choice, log_every, sparse_attention_enabled
 from .install import DENSE_REASONS_ATTR
-from .metrics import write_worker_totals
+from .metrics import exporting, write_worker_totals
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ def _maybe_log_sparsity(worker) -> None:
     Prometheus (plugins/vllm/metrics.py; every 256 steps when the log is off). One read of the counters."""
     every = log_every()
     worker._sparse_attn_steps = getattr(worker, "_sparse_attn_steps", 0) + 1
-    if worker._sparse_attn_steps % (every or DEFAULT_LOG_EVERY):
-        return
+    if worker._sparse_attn_steps % (every or DEFAULT_LOG_EVERY) or not (every or exporting()):
+        return  # nothing to log or export: no read of the counters (it syncs with the device)
     from .. import vllm as vllm_plugin
 
     totals = summarize_stats(vllm_plugin.get_sparsity_stats(worker_model(worker)))
