@@ -61,7 +61,8 @@ constexpr int kSplitTiles = kSplitTokens / kTileK;
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
-constexpr int kAmxTargetRows = 256;  // on AMX tiles: K and V are interleaved once per item and tile, so more rows
+constexpr int kAmxTargetRows = 512;  // on AMX tiles: K and V are interleaved once per item and tile, so more rows
+                                     // (measured 1.06-1.22x faster bf16 prefill than 256 on the AMX machine)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Vector width: 16 floats where the machine has AVX-512 (32 vector registers), else 8 (AVX2: 16 registers). The
@@ -84,9 +85,10 @@ typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 // AMX bf16 tiles (prefill Q·K and P·V). A tile is 16 rows of 64 bytes; TDPBF16PS adds A[16 x 32 bf16] ·
 // B[32 x 16] into C[16 x 16 fp32], with B stored as 16 rows of (16 columns x 2 consecutive k) "VNNI" pairs. vLLM's
 // `vec` cache keeps K as [dim][key] and V as [key][dim]: both become B tiles by interleaving two rows (two dims of
-// 16 keys for K, two keys of 16 dims for V), one permute per 64 bytes. Products are exact in fp32 and accumulate in
-// fp32, so scores differ from the vector path only by summation order; P enters P·V rounded to bf16 (as in
-// FlashAttention's bf16 kernels), its softmax denominator stays fp32.
+// 16 keys for K, two keys of 16 dims for V), one permute per 64 bytes, one pipeline stage before the tile loads
+// that read them. Products are exact in fp32 and accumulate in fp32, so scores differ from the vector path only by
+// summation order; P enters P·V rounded to bf16 (as in FlashAttention's bf16 kernels; the exp pass writes it as
+// bf16 directly), its softmax denominator stays fp32. P·V accumulates onto each row's output in C tiles.
 // ---------------------------------------------------------------------------------------------------------------
 std::atomic<bool> g_amx_enabled{true};
 
@@ -444,6 +446,8 @@ struct Scratch {
   bool amx;       // this item runs on AMX tiles
   int slot_rows;  // rows per score slot: on tiles M + 16, so a 16-row tile starting at any row stays in its slot
   int n_kept[2], j_end[2];
+  int k_tile[2];  // AMX: the tile whose K each kpack buffer holds (-1: none)
+  int v_steps;    // AMX: 32-key steps of the V tile in vpack
 };
 
 template <typename T>
@@ -476,7 +480,7 @@ class Kernel {
     sc.lnl.assign(static_cast<size_t>(M) * std::max(n_trials, 1), kNegInf);
     sc.skipped.assign(std::max(n_trials, 1), 0);
     sc.prow.resize(M);
-    sc.orow.resize(M);
+    sc.orow.resize(std::max(M, 32));
     sc.vrow.resize(2 * kTileK);
     sc.kbuf.resize(sizeof(T) * kTileK * D);
     sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
@@ -513,17 +517,35 @@ class Kernel {
       scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
       std::copy(sc.g.begin() + m_lo, sc.g.begin() + M, sc.g0.begin() + m_lo);
     }
-    // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V),
-    // and A's score loop prefetches the K of tile t + 1 (on AMX tiles also the V rows tile t - 1 kept), so memory
+    // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V), and
+    // A's score loop prefetches the K of tile t + 1 (on AMX tiles also the V rows tile t - 1 kept), so memory
     // streams while the core computes. Stage B runs in tile order, so the online softmax is exactly the sequential
     // one.
+    // On AMX tiles the B tiles are packed one stage ahead of their tile loads (a tile load right after the vector
+    // stores that wrote its data stalled on them): after stage A of tile t, K of tile t + 1 and V of tile t - 1 are
+    // packed (both prefetched during A's Q·K); V's tile loads come after stage B's exp, K's in the next stage A.
     int pending = -1;
     for (int t = t_begin; t < t_end; ++t) {
       const int slot = t & 1;
       const int npf = prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D);
       stage_scores(it, sc, t, slot, M, first_pos, npf);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (sc.amx) {
+          if (t + 1 < t_end) pack_k_amx(it, sc, t + 1);
+          if (pending >= 0) {
+            sc.v_steps = pack_v_amx(sc, reinterpret_cast<const T* const*>(sc.vrow.data()) + pending * kTileK,
+                                    sc.j_end[pending]);
+          }
+        }
+      }
       if (pending >= 0) stage_values(sc, pending, D);
       pending = sc.n_kept[slot] > 0 ? slot : -1;
+    }
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (sc.amx && pending >= 0) {
+        sc.v_steps = pack_v_amx(sc, reinterpret_cast<const T* const*>(sc.vrow.data()) + pending * kTileK,
+                                sc.j_end[pending]);
+      }
     }
     if (pending >= 0) stage_values(sc, pending, D);
 #if defined(MODELOPT_EXT_AMX)
@@ -590,11 +612,28 @@ class Kernel {
  private:
   const Params& p_;
 
+  // Row m's decision for tile t (docs/skip_softmax.md): tile 0 seeds the reference max; later tiles compare the
+  // tile max g with it, count every trial's drop and keep the tile unless trial 0 drops it (calibration keeps all).
+  __attribute__((always_inline)) bool decide(Scratch& sc, int t, int m, float g) const {
+    const Params& p = p_;
+    if (t == 0) {
+      sc.g0[m] = g;
+      sc.srun[m] = g;
+      return true;
+    }
+    const float ref = std::max(sc.g0[m], sc.srun[m]);
+    const float gap = g - ref;
+    sc.srun[m] = std::max(sc.srun[m], g);
+    if (p.log_sf == nullptr) return true;
+    const int n_trials = static_cast<int>(p.T);
+    const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
+    for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
+    return p.calibrate || !(gap < lnl[0]);
+  }
+
   // Stage A of tile t: scores of the rows that visit it, each row's decision, counts, the kept rows (slot).
   void stage_scores(const Item& it, Scratch& sc, int t, int slot, int M, int first_pos, int npf) const {
-    const Params& p = p_;
-    const int n_trials = static_cast<int>(p.T);
-    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t kv_len = p_.kvlen[it.b];
     const int64_t kstart = static_cast<int64_t>(t) * kTileK;
     sc.n_kept[slot] = 0;
     // Rows are sorted by position: the rows that visit tile t are a suffix.
@@ -609,21 +648,7 @@ class Kernel {
     if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
     for (int m = m_lo; m < M; ++m) {
       const float g = sc.g[m];
-      bool keep = true;
-      if (t == 0) {
-        sc.g0[m] = g;
-        sc.srun[m] = g;
-      } else {
-        const float ref = std::max(sc.g0[m], sc.srun[m]);
-        const float gap = g - ref;
-        sc.srun[m] = std::max(sc.srun[m], g);
-        if (p.log_sf != nullptr) {
-          const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
-          for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
-          keep = p.calibrate || !(gap < lnl[0]);
-        }
-      }
-      if (!keep) continue;
+      if (!decide(sc, t, m, g)) continue;
       const int64_t visible = std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart));
       j_end = std::max(j_end, static_cast<int>(visible));
       kept_m[n_kept] = m;
@@ -637,35 +662,45 @@ class Kernel {
     value_rows(it, sc, kstart, j_end, vrow, slot);
   }
 
-  // Stage B: online softmax (exp) and P·V of the rows that kept the tile held in `slot`.
+  // Stage B: online softmax (exp) and P·V of the rows that kept the tile held in `slot` (vector path).
   void stage_values(Scratch& sc, int slot, int D) const {
     const int M = static_cast<int>(sc.kept_m.size() / 2);
     const int n_kept = sc.n_kept[slot];
     float* sbase = sc.s.data() + static_cast<size_t>(slot) * sc.slot_rows * kTileK;
     const int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
     const float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
-    for (int i = 0; i < n_kept; ++i) {
-      const int m = kept_m[i];
-      float* s = sbase + static_cast<size_t>(m) * kTileK;
-      online_softmax_row(sc, m, s, kept_g[i], D);
-      sc.prow[i] = s;
-      sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
-    }
     const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (sc.amx) {
-        values_amx(sc, n_kept, vrow, sc.j_end[slot], D);
+        uint16_t* pp = sc.ppack.data();
+        for (int i = 0; i < n_kept; ++i) {
+          const int m = kept_m[i];
+          online_softmax_row(sc, m, sbase + static_cast<size_t>(m) * kTileK, kept_g[i], D, pp + static_cast<size_t>(i) * kTileK);
+          sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
+        }
+        const int padded = (n_kept + 15) / 16 * 16;
+        if (padded > n_kept) std::memset(pp + static_cast<size_t>(n_kept) * kTileK, 0, sizeof(uint16_t) * kTileK * (padded - n_kept));
+        for (int i0 = 0; i0 < n_kept; i0 += 16) {  // V is packed (run_item)
+          pv_block_amx(sc, pp + static_cast<size_t>(i0) * kTileK, sc.orow.data() + i0, std::min(16, n_kept - i0),
+                       sc.v_steps);
+        }
         return;
       }
+    }
+    for (int i = 0; i < n_kept; ++i) {
+      const int m = kept_m[i];
+      float* s = sbase + static_cast<size_t>(m) * kTileK;
+      online_softmax_row(sc, m, s, kept_g[i], D, s);
+      sc.prow[i] = s;
+      sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
     }
     pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
   }
 
   // Cache lines to prefetch during tile t's score loop: K of tile `next_t` (in place only; its rows are strided by
-  // the page) and, on AMX tiles, the V rows kept by the tile in `pending_slot` (read by stage B right after). The
-  // vector path leaves V (contiguous rows) to the hardware prefetcher: there software prefetches of V stalled the
-  // score loop on fill buffers (Xeon with AMX, decode 4-18 % faster without them). Returns the list length, padded
-  // to whole micro-kernel steps.
+  // the page). V (contiguous rows) is left to the hardware prefetcher: software prefetches of V stalled the score
+  // loop on fill buffers (Xeon with AMX, decode 4-18 % faster without them). Returns the list length, padded to
+  // whole micro-kernel steps.
   int prefetch_list(const Item& it, Scratch& sc, int next_t, int pending_slot, int D) const {
     const Params& p = p_;
     const int cap = static_cast<int>(sc.pf.size());
@@ -741,9 +776,14 @@ class Kernel {
     // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
     // (decode, a GQA group): 32 keys where the page allows (8 lanes: 3 x 4; 16 lanes: 12 x 2), else 16.
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (sc.amx) {
-        scores_amx(it, sc, t, m_lo, M, sbase, npf);
-        finish_scores(it, sc, t, m_lo, M, sbase);
+      if (sc.amx) {  // Q·K in 16-row blocks, prefetches spread over them
+        if (sc.k_tile[t & 1] != t) pack_k_amx(it, sc, t);
+        const int n_blocks = (M - m_lo + 15) / 16;
+        for (int r = m_lo, i = 0; r < M; r += 16, ++i) {
+          for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(sc.pf[j], 0, 3);
+          qk_block_amx(sc, r, t & 1, sbase + static_cast<size_t>(r) * kTileK);
+        }
+        finish_scores(it, sc, t, m_lo, M, sbase + static_cast<size_t>(m_lo) * kTileK);
         return;
       }
     }
@@ -787,39 +827,50 @@ class Kernel {
         qk_rows<T, kc>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
       }
     }
-    finish_scores(it, sc, t, m_lo, M, sbase);
+    finish_scores(it, sc, t, m_lo, M, s);
   }
 
-  // Scale, soft-cap and mask the raw scores of rows m_lo..M-1 in place; each row's tile max to sc.g[m].
-  __attribute__((always_inline)) void finish_scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase) const {
+  // Mask the raw scores of rows m_lo..M-1 in place (soft-capped rows are also scaled and capped here); each row's
+  // tile max, scaled, to sc.g[m]. Without soft-capping the scale is applied in the exp pass (exp_scale()): rounding
+  // is monotonic, so round(scale * max) is the max of the rounded scaled scores and the decisions are unchanged, and
+  // the pass over the tile saves a multiply and, on tiles no key of which is masked, its store.
+  // Row m's scores are at s_lo + (m - m_lo) * kTileK.
+  __attribute__((always_inline)) void finish_scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* s_lo) const {
     const Params& p = p_;
     const int64_t kv_len = p.kvlen[it.b];
     const int64_t kstart = static_cast<int64_t>(t) * kTileK;
-    const vf scale = splat(p.scale);
     const vf ninf = splat(kNegInf);
+    const bool capped = p.softcap > 0.f;
+    const float g_scale = capped ? 1.f : p.scale;
     for (int m = m_lo; m < M; ++m) {
-      float* sr = sbase + static_cast<size_t>(m) * kTileK;
+      float* sr = s_lo + static_cast<size_t>(m - m_lo) * kTileK;
       // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
       const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
       vf mx = ninf;
       for (int j = 0; j < kTileK; j += kLanes) {
-        vf x = loadv(sr + j) * scale;
-        if (p.softcap > 0.f) {  // logit soft-capping (Gemma 2), lane by lane
+        vf x = loadv(sr + j);
+        bool store = false;
+        if (capped) {  // logit soft-capping (Gemma 2), lane by lane, on the scaled scores
           alignas(64) float lanes[kLanes];
-          storev(lanes, x);
+          storev(lanes, x * splat(p.scale));
           for (int l = 0; l < kLanes; ++l) lanes[l] = p.softcap * std::tanh(lanes[l] / p.softcap);
           x = loadv(lanes);
+          store = true;
         }
         if (j + kLanes > lim) {
           const vi lv = vi{} + static_cast<int32_t>(std::max<int64_t>(lim, -1));
           x = iota(j) < lv ? x : ninf;  // replaces stale NaN/inf too (chunks never computed included)
+          store = true;
         }
-        storev(sr + j, x);
+        if (store) storev(sr + j, x);
         mx = x > mx ? x : mx;
       }
-      sc.g[m] = hmax(mx);
+      sc.g[m] = hmax(mx) * g_scale;
     }
   }
+
+  // The factor the exp pass applies to the stored scores: the softmax scale, or 1 where finish_scores scaled them.
+  float exp_scale() const { return p_.softcap > 0.f ? 1.f : p_.scale; }
 
   // bf16 Q rows of the item (raw bits) with 16 zero rows of padding, the tile configuration of this thread.
   void prepare_amx(const Item& it, Scratch& sc, int M) const {
@@ -827,9 +878,10 @@ class Kernel {
     const Params& p = p_;
     const int group = static_cast<int>(p.group), D = static_cast<int>(p.D);
     sc.qb.assign(static_cast<size_t>(M + 16) * D, 0);
-    sc.kpack.resize(static_cast<size_t>(kTileK) * D);
+    sc.kpack.resize(static_cast<size_t>(2) * kTileK * D);
+    sc.k_tile[0] = sc.k_tile[1] = -1;
     sc.vpack.resize(static_cast<size_t>(kTileK) * D);
-    sc.ppack.resize(static_cast<size_t>(16) * kTileK);
+    sc.ppack.resize(static_cast<size_t>(M + 16) * kTileK);
     sc.ctmp.resize(static_cast<size_t>(16) * D);
     sc.kbuf.resize(std::max(sc.kbuf.size(), sizeof(uint16_t) * 16 * D));
     const uint16_t* qp = static_cast<const uint16_t*>(p.q);
@@ -847,21 +899,20 @@ class Kernel {
 #endif
   }
 
-  // Raw scores of rows m_lo..M-1 against tile t on AMX tiles. K of each 16-key group is interleaved into B tiles
-  // (kpack: [group][D/2][16][2]); a group that starts at or past kv_len is zeros (its scores are masked after).
-  // The prefetch list (next tile's K, the pending tile's V rows) is spread over the four groups' packing.
-  void scores_amx(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
+  // K of tile t as B tiles in buffer t & 1: each 16-key group interleaved by dimension pairs (kpack: [buffer]
+  // [group][D/2][16][2]); a group that starts at or past kv_len is zeros (its scores are masked after).
+  void pack_k_amx(const Item& it, Scratch& sc, int t) const {
 #if defined(MODELOPT_EXT_AMX)
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     const int64_t kv_len = p.kvlen[it.b];
     const int64_t kstart = static_cast<int64_t>(t) * kTileK;
     const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
-    uint16_t* kpack = sc.kpack.data();
+    uint16_t* kpack = sc.kpack.data() + static_cast<size_t>(t & 1) * 4 * group_elems;
+    sc.k_tile[t & 1] = t;
     for (int g = 0; g < kTileK / 16; ++g) {
       const int64_t key0 = kstart + 16 * g;
       uint16_t* dst = kpack + g * group_elems;
-      for (int i = g * npf / 4; i < (g + 1) * npf / 4; ++i) __builtin_prefetch(sc.pf[i], 0, 3);
       if (key0 >= kv_len) {
         std::memset(dst, 0, sizeof(uint16_t) * group_elems);
         continue;
@@ -883,43 +934,49 @@ class Kernel {
       }
       for (int dp = 0; dp < D / 2; ++dp) interleave16(src + 2 * dp * sd, src + (2 * dp + 1) * sd, dst + dp * 32);
     }
-    const uint16_t* qb = sc.qb.data();
-    const int q_stride = D * 2;  // bytes per Q row
-    for (int r = m_lo; r < M; r += 16) {
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_zero(4);
-      _tile_zero(5);
-      for (int ks = 0; ks < D / 32; ++ks) {
-        _tile_loadd(0, qb + static_cast<size_t>(r) * D + 32 * ks, q_stride);
-        const uint16_t* b = kpack + ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
-        _tile_loadd(1, b, 64);
-        _tile_dpbf16ps(2, 0, 1);
-        _tile_loadd(6, b + group_elems, 64);
-        _tile_dpbf16ps(3, 0, 6);
-        _tile_loadd(1, b + 2 * group_elems, 64);
-        _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(6, b + 3 * group_elems, 64);
-        _tile_dpbf16ps(5, 0, 6);
-      }
-      float* s = sbase + static_cast<size_t>(r) * kTileK;
-      _tile_stored(2, s, kTileK * 4);
-      _tile_stored(3, s + 16, kTileK * 4);
-      _tile_stored(4, s + 32, kTileK * 4);
-      _tile_stored(5, s + 48, kTileK * 4);
-    }
 #else
-    (void)it, (void)sc, (void)t, (void)m_lo, (void)M, (void)sbase, (void)npf;
+    (void)it, (void)sc, (void)t;
 #endif
   }
 
-  // P·V of the n_kept rows in sc.prow (exp'd, fp32) into sc.orow on AMX tiles: V rows 0..nj-1 interleaved by key
-  // pairs into B tiles (vpack: [key step of 32][D/16][16][16][2]; keys >= nj are zeros, so unread rows never meet
-  // a zero probability), P rows rounded to bf16 16 at a time, each 16 x D product added to its rows' outputs.
-  void values_amx(Scratch& sc, int n_kept, const T* const* vrow, int nj, int D) const {
+  // Raw scores of the 16 rows r..r+15 (Q padded past M) against the K tile packed in `buffer`: s[16][64].
+  void qk_block_amx(const Scratch& sc, int r, int buffer, float* s) const {
+#if defined(MODELOPT_EXT_AMX)
+    const int D = static_cast<int>(p_.D);
+    const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
+    const uint16_t* kpack = sc.kpack.data() + static_cast<size_t>(buffer) * 4 * group_elems;
+    const uint16_t* qb = sc.qb.data();
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int ks = 0; ks < D / 32; ++ks) {
+      _tile_loadd(0, qb + static_cast<size_t>(r) * D + 32 * ks, D * 2);
+      const uint16_t* b = kpack + ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
+      _tile_loadd(1, b, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(6, b + group_elems, 64);
+      _tile_dpbf16ps(3, 0, 6);
+      _tile_loadd(1, b + 2 * group_elems, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(6, b + 3 * group_elems, 64);
+      _tile_dpbf16ps(5, 0, 6);
+    }
+    _tile_stored(2, s, kTileK * 4);
+    _tile_stored(3, s + 16, kTileK * 4);
+    _tile_stored(4, s + 32, kTileK * 4);
+    _tile_stored(5, s + 48, kTileK * 4);
+#else
+    (void)sc, (void)r, (void)buffer, (void)s;
+#endif
+  }
+
+  // V rows 0..nj-1 of a tile as B tiles, interleaved by key pairs (vpack: [key step of 32][D/16][16][16][2]; keys
+  // >= nj are zeros, so unread rows never meet a zero probability). Returns the number of 32-key steps.
+  int pack_v_amx(Scratch& sc, const T* const* vrow, int nj) const {
 #if defined(MODELOPT_EXT_AMX)
     const int n_steps = (nj + 31) / 32;
-    const int dtiles = D / 16;
+    const int dtiles = static_cast<int>(p_.D) / 16;
     uint16_t* vpack = sc.vpack.data();
     alignas(64) static const uint16_t kZeros[16] = {};
     for (int pr = 0; pr < 16 * n_steps; ++pr) {
@@ -931,41 +988,47 @@ class Kernel {
         interleave16(a != nullptr ? a + 16 * dt : kZeros, b != nullptr ? b + 16 * dt : kZeros, dst + dt * 512);
       }
     }
-    uint16_t* pp = sc.ppack.data();
-    float* c = sc.ctmp.data();
-    for (int i0 = 0; i0 < n_kept; i0 += 16) {
-      const int rows = std::min(16, n_kept - i0);
-      for (int i = 0; i < 16; ++i) {
-        uint16_t* dst = pp + i * kTileK;
-        if (i < rows) {
-          to_bf16_32(sc.prow[i0 + i], dst);
-          to_bf16_32(sc.prow[i0 + i] + 32, dst + 32);
-        } else {
-          std::memset(dst, 0, sizeof(uint16_t) * kTileK);
-        }
+    return n_steps;
+#else
+    (void)sc, (void)vrow, (void)nj;
+    return 0;
+#endif
+  }
+
+  // O[row] += P[row] · V for up to 16 rows: P as bf16 rows of `pp` (rows past n are zeros), outputs at orow[0..n).
+  // C starts from each row's output, so every row adds its products to O in the same order whichever rows share its
+  // block (a row's result never depends on the other rows: batch and chunk invariance). Sixteen consecutive rows of
+  // O are loaded in place; other sets are gathered into a contiguous block and scattered back.
+  void pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps) const {
+#if defined(MODELOPT_EXT_AMX)
+    const int D = static_cast<int>(p_.D);
+    const int dtiles = D / 16;
+    const int o_stride = D * 4;
+    const uint16_t* vpack = sc.vpack.data();
+    const bool direct = n == 16 && orow[15] - orow[0] == 15 * D;
+    float* c = direct ? orow[0] : sc.ctmp.data();
+    if (!direct) {
+      for (int i = 0; i < n; ++i) std::memcpy(c + static_cast<size_t>(i) * D, orow[i], sizeof(float) * D);
+    }
+    for (int dt = 0; dt < dtiles; dt += 2) {  // D % 32 == 0: dim tiles come in pairs
+      _tile_loadd(2, c + 16 * dt, o_stride);
+      _tile_loadd(3, c + 16 * (dt + 1), o_stride);
+      for (int ks = 0; ks < n_steps; ++ks) {
+        _tile_loadd(0, pp + 32 * ks, kTileK * 2);
+        const uint16_t* b = vpack + static_cast<size_t>(ks) * dtiles * 512 + dt * 512;
+        _tile_loadd(1, b, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(3, 0, 6);
       }
-      for (int dt = 0; dt < dtiles; dt += 2) {  // D % 32 == 0: dim tiles come in pairs
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int ks = 0; ks < n_steps; ++ks) {
-          _tile_loadd(0, pp + 32 * ks, kTileK * 2);
-          const uint16_t* b = vpack + static_cast<size_t>(ks) * dtiles * 512 + dt * 512;
-          _tile_loadd(1, b, 64);
-          _tile_dpbf16ps(2, 0, 1);
-          _tile_loadd(6, b + 512, 64);
-          _tile_dpbf16ps(3, 0, 6);
-        }
-        _tile_stored(2, c + 16 * dt, D * 4);
-        _tile_stored(3, c + 16 * (dt + 1), D * 4);
-      }
-      for (int i = 0; i < rows; ++i) {
-        float* o = sc.orow[i0 + i];
-        const float* ci = c + static_cast<size_t>(i) * D;
-        for (int d = 0; d < D; d += kLanes) storev(o + d, loadv(o + d) + loadv(ci + d));
-      }
+      _tile_stored(2, c + 16 * dt, o_stride);
+      _tile_stored(3, c + 16 * (dt + 1), o_stride);
+    }
+    if (!direct) {
+      for (int i = 0; i < n; ++i) std::memcpy(orow[i], c + static_cast<size_t>(i) * D, sizeof(float) * D);
     }
 #else
-    (void)sc, (void)n_kept, (void)vrow, (void)nj, (void)D;
+    (void)sc, (void)pp, (void)orow, (void)n, (void)n_steps;
 #endif
   }
 
@@ -974,7 +1037,11 @@ class Kernel {
     return hsum(loadv(sc.l.data() + static_cast<size_t>(m) * kLanes));
   }
 
-  void online_softmax_row(Scratch& sc, int m, float* s, float g, int D) const {
+  // Online softmax of row m for one tile: rescale its state if the tile raises its max, then exp(scale * s - max)
+  // of the tile's 64 scores, summed into the row's denominator. Exp'd values go to `dst` (fp32, in place on the
+  // vector path; rounded to bf16 straight into the P·V A-tile rows on AMX tiles, so P is not stored twice).
+  template <typename P>
+  void online_softmax_row(Scratch& sc, int m, const float* s, float g, int D, P* dst) const {
     float mx = sc.mx[m];
     float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
     if (g > mx) {
@@ -988,11 +1055,26 @@ class Kernel {
       sc.mx[m] = g;
     }
     const vf mv = splat(mx);
+    const vf sv = splat(exp_scale());
     vf sum = splat(0.f);
-    for (int j = 0; j < kTileK; j += kLanes) {
-      vf e = vexp(loadv(s + j) - mv);
-      storev(s + j, e);
-      sum += e;
+    if constexpr (std::is_same_v<P, uint16_t>) {
+#if defined(MODELOPT_EXT_AMX)
+      for (int j = 0; j < kTileK; j += 2 * kLanes) {
+        const vf e0 = vexp(loadv(s + j) * sv - mv), e1 = vexp(loadv(s + j + kLanes) * sv - mv);
+        sum += e0 + e1;
+        __m512 a, b;
+        std::memcpy(&a, &e0, sizeof(a));
+        std::memcpy(&b, &e1, sizeof(b));
+        const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+        _mm512_storeu_si512(dst + j, reinterpret_cast<const __m512i&>(h));
+      }
+#endif
+    } else {
+      for (int j = 0; j < kTileK; j += kLanes) {
+        const vf e = vexp(loadv(s + j) * sv - mv);
+        storev(dst + j, e);
+        sum += e;
+      }
     }
     storev(lm, loadv(lm) + sum);
   }
