@@ -103,13 +103,14 @@ def wait_for_log(proc: subprocess.Popen, log: Path, needle: str, timeout: float)
 
 
 @contextmanager
-def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 900.0):
+def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 900.0, eager: bool = True):
     """The serve script (vLLM's OpenAI server, sparse impls) on a free port; yields its base URL. Stops it with
-    SIGTERM by PID and checks that every process it started has ended."""
+    SIGTERM by PID and checks that every process it started has ended. `eager=False` keeps vLLM's compiled default
+    (pipeline parallelism on the CPU engine needs it)."""
     port = free_port()
     cmd = [sys.executable, str(SERVE), str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--enforce-eager", "--served-model-name", "smol", "--no-enable-prefix-caching",
-           *extra]
+           "--max-model-len", "2048", *(["--enforce-eager"] if eager else []), "--served-model-name", "smol",
+           "--no-enable-prefix-caching", *extra]
     with log_path.open("w") as log:
         server = subprocess.Popen(cmd, env=env(VLLM_SERVER_DEV_MODE="1", MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY="4"),
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
