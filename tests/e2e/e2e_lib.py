@@ -54,6 +54,29 @@ def readme_calibrate_command(ckpt: Path) -> list[str]:
     return [sys.executable, str(REPO / argv[1]), *[str(ckpt) if a == README_CKPT else a for a in argv[2:]]]
 
 
+def calibrate_with_readme_command(ckpt: Path, work: Path, *extra: str) -> tuple[str, dict]:
+    """Run the README calibrate command on `ckpt` in `work`, one OpenMP thread per worker (`extra`: flag / value
+    pairs, replacing the README's value of a flag it sets); the log is kept as work/calibrate.log. Returns the log
+    and the records it wrote ({"layers": [...], "counts": array})."""
+    import numpy as np
+
+    cmd = readme_calibrate_command(ckpt)
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):  # a flag the README sets gets the new value
+        if flag in cmd:
+            cmd[cmd.index(flag) + 1] = value
+        else:
+            cmd += [flag, value]
+    proc = subprocess.run(cmd, env=env(OMP_NUM_THREADS="1"), cwd=work, capture_output=True, text=True, timeout=1500)
+    log = proc.stdout + proc.stderr
+    (work / "calibrate.log").write_text(log)
+    assert proc.returncode == 0, log[-4000:]
+    assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log  # the script binds one core per worker itself
+    with np.load(work / "sparse_attention_config.records.npz", allow_pickle=False) as data:
+        records = {"layers": data["layers"].tolist(), "counts": data["counts"]}
+    assert (records["counts"][..., 1] <= records["counts"][..., 0]).all() and records["counts"][..., 1].sum() > 0
+    return log, records
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
