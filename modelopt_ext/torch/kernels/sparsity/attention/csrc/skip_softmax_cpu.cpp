@@ -144,9 +144,9 @@ inline void interleave16(const uint16_t* a, const uint16_t* b, uint16_t* dst) {
   _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, idx, vb));
 }
 
-// 32 fp32 -> 32 bf16 (round to nearest even).
-inline void to_bf16_32(const float* src, uint16_t* dst) {
-  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+// 32 fp32 (lo: the first 16, hi: the next 16) -> 32 bf16 at dst (round to nearest even).
+inline void store_bf16_32(__m512 lo, __m512 hi, uint16_t* dst) {
+  const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
   _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(v));
 }
 #endif
@@ -447,7 +447,6 @@ struct Scratch {
   int slot_rows;  // rows per score slot: on tiles M + 16, so a 16-row tile starting at any row stays in its slot
   int n_kept[2], j_end[2];
   int k_tile[2];  // AMX: the tile whose K each kpack buffer holds (-1: none)
-  int v_steps;    // AMX: 32-key steps of the V tile in vpack
 };
 
 template <typename T>
@@ -480,7 +479,7 @@ class Kernel {
     sc.lnl.assign(static_cast<size_t>(M) * std::max(n_trials, 1), kNegInf);
     sc.skipped.assign(std::max(n_trials, 1), 0);
     sc.prow.resize(M);
-    sc.orow.resize(std::max(M, 32));
+    sc.orow.resize(M);
     sc.vrow.resize(2 * kTileK);
     sc.kbuf.resize(sizeof(T) * kTileK * D);
     sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
@@ -521,31 +520,20 @@ class Kernel {
     // A's score loop prefetches the K of tile t + 1 (on AMX tiles also the V rows tile t - 1 kept), so memory
     // streams while the core computes. Stage B runs in tile order, so the online softmax is exactly the sequential
     // one.
-    // On AMX tiles the B tiles are packed one stage ahead of their tile loads (a tile load right after the vector
-    // stores that wrote its data stalled on them): after stage A of tile t, K of tile t + 1 and V of tile t - 1 are
-    // packed (both prefetched during A's Q·K); V's tile loads come after stage B's exp, K's in the next stage A.
+    // On AMX tiles the B tiles are packed well ahead of their tile loads (a tile load right after the vector stores
+    // that wrote its data stalled on them): K of tile t + 1 right after stage A of tile t (its tile loads come in the
+    // next stage A), V of tile t - 1 at the start of stage B (its tile loads come after B's exp). Both are
+    // prefetched during A's Q·K.
     int pending = -1;
     for (int t = t_begin; t < t_end; ++t) {
       const int slot = t & 1;
       const int npf = prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D);
       stage_scores(it, sc, t, slot, M, first_pos, npf);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (sc.amx) {
-          if (t + 1 < t_end) pack_k_amx(it, sc, t + 1);
-          if (pending >= 0) {
-            sc.v_steps = pack_v_amx(sc, reinterpret_cast<const T* const*>(sc.vrow.data()) + pending * kTileK,
-                                    sc.j_end[pending]);
-          }
-        }
+        if (sc.amx && t + 1 < t_end) pack_k_amx(it, sc, t + 1);
       }
       if (pending >= 0) stage_values(sc, pending, D);
       pending = sc.n_kept[slot] > 0 ? slot : -1;
-    }
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (sc.amx && pending >= 0) {
-        sc.v_steps = pack_v_amx(sc, reinterpret_cast<const T* const*>(sc.vrow.data()) + pending * kTileK,
-                                sc.j_end[pending]);
-      }
     }
     if (pending >= 0) stage_values(sc, pending, D);
 #if defined(MODELOPT_EXT_AMX)
@@ -672,6 +660,7 @@ class Kernel {
     const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (sc.amx) {
+        const int n_steps = pack_v_amx(sc, vrow, sc.j_end[slot]);  // before the exp loop: see run_item
         uint16_t* pp = sc.ppack.data();
         for (int i = 0; i < n_kept; ++i) {
           const int m = kept_m[i];
@@ -680,9 +669,9 @@ class Kernel {
         }
         const int padded = (n_kept + 15) / 16 * 16;
         if (padded > n_kept) std::memset(pp + static_cast<size_t>(n_kept) * kTileK, 0, sizeof(uint16_t) * kTileK * (padded - n_kept));
-        for (int i0 = 0; i0 < n_kept; i0 += 16) {  // V is packed (run_item)
+        for (int i0 = 0; i0 < n_kept; i0 += 16) {
           pv_block_amx(sc, pp + static_cast<size_t>(i0) * kTileK, sc.orow.data() + i0, std::min(16, n_kept - i0),
-                       sc.v_steps);
+                       n_steps);
         }
         return;
       }
@@ -1062,11 +1051,10 @@ class Kernel {
       for (int j = 0; j < kTileK; j += 2 * kLanes) {
         const vf e0 = vexp(loadv(s + j) * sv - mv), e1 = vexp(loadv(s + j + kLanes) * sv - mv);
         sum += e0 + e1;
-        __m512 a, b;
-        std::memcpy(&a, &e0, sizeof(a));
-        std::memcpy(&b, &e1, sizeof(b));
-        const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
-        _mm512_storeu_si512(dst + j, reinterpret_cast<const __m512i&>(h));
+        __m512 lo, hi;
+        std::memcpy(&lo, &e0, sizeof(lo));
+        std::memcpy(&hi, &e1, sizeof(hi));
+        store_bf16_32(lo, hi, dst + j);
       }
 #endif
     } else {
