@@ -28,8 +28,9 @@ that length: the row runs dense) is reported as "dense (unreachable)" and does n
 Prints markdown tables, writes JSON and a PNG per law (realized vs length, one panel per phase).
 
 `--decode-feedback` (engine path): the per-document view of per-request decode feedback instead
-(benchmarks/decode_feedback.py, issue #28): each held-out document alone at each target, its decode sparsity after
-the first `--feedback-skip` generated tokens without and with `sparse_attn_decode_feedback`.
+(benchmarks/decode_feedback.py, issue #28): each held-out document at each target, teacher-forced on its own
+continuation through vLLM's decode, its decode sparsity and perplexity after the first `--feedback-skip` tokens
+without and with `sparse_attn_decode_feedback`.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-feedback", action="store_true",
                    help="engine: the per-document view of decode feedback instead (benchmarks/decode_feedback.py): "
-                        "each document alone at each target, decode sparsity after --feedback-skip generated tokens "
-                        "without and with sparse_attn_decode_feedback")
+                        "each document teacher-forced at each target, decode sparsity and perplexity after "
+                        "--feedback-skip tokens without and with sparse_attn_decode_feedback")
     p.add_argument("--feedback-skip", type=int, default=64, help="generated tokens before the measured ones")
     p.add_argument("--feedback-tokens", type=int, default=64, help="generated tokens measured after the skip")
     p.add_argument("--out", default=None, help="output dir (default artifacts/fidelity[_quick])")

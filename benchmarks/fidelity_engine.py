@@ -125,10 +125,12 @@ def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
 # ----------------------------------------------------------------------------------------------------- the engine
 
 
-def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str = "auto"):
-    """vLLM's default engine (multi-process) with our worker class, as the example scripts start it."""
+def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str = "auto", **engine_args):
+    """vLLM's default engine (multi-process) with our worker class, as the example scripts start it (`engine_args`:
+    more `LLM` arguments, e.g. a benchmark's `logits_processors`; benchmarks/ is on the engine's PYTHONPATH)."""
     sys.path.insert(0, str(EXAMPLES))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(EXAMPLES), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -137,7 +139,8 @@ def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str =
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: every held-out prompt at once fits
     return LLM(model=str(ckpt), max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
-               seed=0, max_num_seqs=max_num_seqs, dtype=dtype, worker_extension_cls=worker_extension_cls())  # fmt: skip
+               seed=0, max_num_seqs=max_num_seqs, dtype=dtype, worker_extension_cls=worker_extension_cls(),
+               **engine_args)  # fmt: skip
 
 
 def _token_prompts(prompts):
