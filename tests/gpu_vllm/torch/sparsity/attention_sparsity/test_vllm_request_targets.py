@@ -22,16 +22,19 @@ pytest.importorskip("vllm.v1.attention.backends.flash_attn")  # the helpers buil
 from vllm import SamplingParams  # noqa: E402
 from vllm_plugin_testlib import (  # noqa: E402
     Batch,
+    admit_v2,
     attach_kv_cache,
     backend_metadata,
     cache_kind_for,
     dense_reference,
     engine_config,
     fill_prefix,
+    finish_v2,
     make_batch,
     make_cache,
     run_layer,
     v1_runner,
+    v2_runner,
 )
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (  # noqa: E402
@@ -40,9 +43,10 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import admission  # noqa: E402
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prompt_lens import InputBatchPromptLens  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prompt_lens import prompt_lens_source  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats import (  # noqa: E402
     RequestCounters,
+    request_counters_source,
     user_request_id,
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import (  # noqa: E402
@@ -164,8 +168,9 @@ def test_admission_through_vllm_validation_hook(monkeypatch):
         config.model_config.logits_processors = saved
 
 
-def test_model_runner_v2_refuses_targets_at_admission(monkeypatch):
-    """Model runner V2 takes its own processor interface; per-request rows are not wired there: refused by name."""
+def test_model_runner_v2_checks_targets_at_admission_and_refuses_them_with_pipeline_stages(monkeypatch):
+    """Model runner V2 takes its own processor interface: the same admission checks; with pipeline parallelism V2
+    hands request params only to the last stage, so a target is refused there, naming the switch."""
     from vllm.exceptions import VLLMValidationError
 
     if admission.SparseAttentionTargetsV2 is None:
@@ -181,11 +186,43 @@ def test_model_runner_v2_refuses_targets_at_admission(monkeypatch):
         assert fqcn.endswith(":SparseAttentionTargetsV2")
         validate = build_custom_logits_processors_params_validator([fqcn])  # loads it by name, as the server does
         validate(SamplingParams())
+        validate(SamplingParams(extra_args={"sparse_attn_target": 0.5, "sparse_attn_decode_feedback": True}))
+        with pytest.raises(VLLMValidationError, match="sparse_attn_decode_target=0.95: outside"):
+            validate(SamplingParams(extra_args={"sparse_attn_decode_target": 0.95}))
+        admission.disable_admission_checks()
+        config.model_config.logits_processors = saved
+        config.parallel_config.pipeline_parallel_size = 2
+        assert admission.enable_admission_checks(config, _settings())
+        (fqcn,) = config.model_config.logits_processors
+        assert fqcn.endswith(":SparseAttentionTargetsV2Staged")
+        validate = build_custom_logits_processors_params_validator([fqcn])
+        validate(SamplingParams(extra_args={"unrelated": 1}))
         with pytest.raises(VLLMValidationError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
             validate(SamplingParams(extra_args={"sparse_attn_target": 0.5}))
     finally:
         admission.disable_admission_checks()
         config.model_config.logits_processors = saved
+        config.parallel_config.pipeline_parallel_size = 1
+
+
+def _v2_runner_and_processors(monkeypatch):
+    """A V2 runner stand-in and the custom logits processors vLLM's V2 loader builds for it from the engine config
+    the plugin's config hook edited (`build_custom_logits_processors`, as the V2 sampler does)."""
+    if admission.SparseAttentionTargetsV2 is None or "req_idx" not in plug.vllm_facts().common_metadata_fields:
+        pytest.skip("this vLLM has no model runner V2 with req_idx in its attention metadata")
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import build_custom_logits_processors
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    config = engine_config()
+    try:
+        admission.enable_admission_checks(config, _settings())
+        runner = v2_runner()
+        processors = build_custom_logits_processors(config, runner.req_states, False,
+                                                     config.model_config.logits_processors)  # fmt: skip
+    finally:
+        admission.disable_admission_checks()
+    assert [type(p).__name__ for p in processors] == ["SparseAttentionTargetsV2"]
+    return runner, processors
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -251,13 +288,20 @@ def _peaked_batch(gen):
     return batch
 
 
-def _serve(layer, vllm_config, batch, runner):
-    """One step of `batch` with `runner`'s requests: (output, this layer's counts, per-request counts)."""
+def _use_runner(layer, runner) -> None:
+    """What installing with `model_runner=runner` gives the engine's context: its law, prompt-length and counter
+    sources."""
     context = layer.impl._modelopt_sparse.context
-    context.request_laws, context.prompt_lens = RequestLaws(runner), InputBatchPromptLens(runner)
-    context.request_counters = RequestCounters(runner)
+    context.request_laws, context.prompt_lens = request_laws_source(runner)[0], prompt_lens_source(runner)[0]
+    context.request_counters = request_counters_source(runner)
+
+
+def _serve(layer, vllm_config, batch, runner, **metadata):
+    """One step of `batch` with `runner`'s requests: (output, this layer's counts, per-request counts). `metadata`:
+    more CommonAttentionMetadata fields (model runner V2's `req_idx`)."""
+    _use_runner(layer, runner)
     plug.reset_sparsity_stats([layer])
-    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch))
+    out = run_layer(layer, vllm_config, batch, backend_metadata(layer, batch, **metadata))
     return out, plug.get_sparsity_stats([layer])[layer.layer_name], plug.get_request_stats([layer])
 
 
@@ -295,6 +339,36 @@ def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_l
         plug.install_sparse_attention([layer], _settings(target=target))
         served, _, _ = _serve(layer, vllm_config, _one(batch, i), V1Runner([(requests[i][0], requests[i][1], None)]))
         torch.testing.assert_close(mixed[rows[i] : rows[i + 1]], served, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
+def test_model_runner_v2_serves_each_row_at_its_requests_target(backend, make_layer, vllm_config, monkeypatch):
+    """Model runner V2 (vLLM's GPU default from 0.33): the mixed step of the V1 test, with rows tied to requests by
+    the metadata's `req_idx` and the slots the admission processor recorded. Outputs, layer counts and per-request
+    counts equal the V1 step's; a finished request's slot, reused by a request without a target, carries no stale
+    target."""
+    runner, processors = _v2_runner_and_processors(monkeypatch)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    batch = _peaked_batch(gen)
+    requests = [("lo", 300, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
+                ("dense", 100, {"sparse_attn_target": "dense"})]
+    layer = make_layer(backend, head_size=D)
+    plug.install_sparse_attention([layer], _settings())
+    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
+    fill_prefix(cache, batch, PAGE)
+    attach_kv_cache(layer, cache.kv_cache)
+    v1 = _serve(layer, vllm_config, batch, V1Runner(requests))
+    slots = [6, 1, 3]  # V2 gives requests table slots from a free list; rows map to them through req_idx
+    admit_v2(runner, processors, [(rid, slot, n, extra) for (rid, n, extra), slot in zip(requests, slots, strict=True)])
+    v2 = _serve(layer, vllm_config, batch, runner, req_idx=np.array(slots))
+    torch.testing.assert_close(v2[0], v1[0], atol=0, rtol=0)
+    assert v2[1] == v1[1] and v2[2] == v1[2] and v1[1]["decode"]["skipped"] > 0
+    finish_v2(runner, "hi")
+    admit_v2(runner, processors, [("plain", 1, 200, None)])
+    plan = getattr(backend_metadata(layer, batch, req_idx=np.array(slots)), plug.PLAN_ATTR)
+    checkpoint = torch.tensor([_settings().prefill.log_scale_factor, _settings().decode.log_scale_factor])
+    torch.testing.assert_close(plan.log_scale_factors[1], checkpoint, atol=1e-6, rtol=0)
+    assert plug.get_request_stats([layer], ["hi"])["hi"]["finished"]
 
 
 def test_request_counters_keep_finished_requests_and_free_their_slots():
@@ -391,10 +465,26 @@ def test_feedback_moves_the_planned_law_of_its_request_only(make_layer, vllm_con
     plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
     base = settings.decode.log_scale_factor
     assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base, base])
-    assert not plan.dense  # feedback moves λ on the device: the host never takes the dense path for it
+    assert not plan.dense  # these lengths can drop tiles
     plan.request_table.index_add_(0, plan.request_index, torch.tensor([[500, 0], [500, 0]]))  # a step, no drops
     plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
     step = FEEDBACK_RATE * B_DEC * 0.5
     assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base + step, base], abs=1e-5)
     plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)  # no new counts: δ holds
     assert plan.log_scale_factors[:, 1].tolist() == pytest.approx([base + step, base], abs=1e-5)
+
+
+@pytest.mark.parametrize("kv_len, feedback, dense", [(6, True, True), (12, False, True), (12, True, False)],
+                         ids=["feedback-short", "law-longer", "feedback-longer"])
+def test_the_host_takes_the_dense_path_for_feedback_rows_only_where_no_offset_can_drop_a_tile(
+        make_layer, vllm_config, kv_len, feedback, dense):  # fmt: skip
+    """Feedback moves a row's c_decode on the device within ±0.3·b, so the host's dense shortcut (no row of the step
+    can drop a tile) takes the lowest c it may reach: at decode target 0.8, c = ln 0.5 + 6·0.8 = 4.11, whose law
+    alone is dense up to n = e^4.11 = 61 and with feedback (c - 1.8) up to n = 10. The prefill law is dense there
+    too (c = ln 2 + 3 = 3.69: n <= 40)."""
+    layer = make_layer("flash_attn", head_size=D)
+    extra = {"sparse_attn_decode_target": 0.8, **({"sparse_attn_decode_feedback": True} if feedback else {})}
+    plug.install_sparse_attention([layer], _settings(), model_runner=V1Runner([("r", kv_len - 1, extra)]))
+    batch = make_batch([1], [kv_len], dim=D, page=PAGE, num_blocks=NB)
+    plan = getattr(backend_metadata(layer, batch), plug.PLAN_ATTR)
+    assert plan.dense is dense

@@ -280,6 +280,49 @@ def v1_runner(requests):
     )  # fmt: skip
 
 
+class _HostBuffer:
+    """Stands in for V2's `UvaBackedTensor` (a host numpy array `np` mirrored to a CUDA UVA buffer): the host side."""
+
+    def __init__(self, values) -> None:
+        import numpy as np
+
+        self.np = np.asarray(values, dtype=np.int32)
+
+
+def v2_runner(slots: int = 8):
+    """What the plugin reads of vLLM's model runner V2, whose `RequestState` allocates CUDA buffers at
+    construction: `req_states` with `req_id_to_index` / `index_to_req_id` and the per-slot buffers its
+    `LogitsProcRequestState` wraps (`prompt_len` with its host `np`). `admit_v2` adds requests as the runner's
+    `add_requests` does."""
+
+    states = types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=slots, vocab_size=128,
+                                   all_token_ids=None, prompt_len=_HostBuffer([0] * slots),
+                                   prefill_len=_HostBuffer([0] * slots), total_len=None,
+                                   req_id_to_index={}, index_to_req_id={})  # fmt: skip
+    return types.SimpleNamespace(req_states=states)
+
+
+def admit_v2(runner, processors, requests) -> None:
+    """Model runner V2's `add_requests` for [(request id, slot, prompt length, extra_args)]: the request table's
+    slot, its prompt length, and the sampler's `add_request(slot, params)` on each custom logits processor."""
+    from vllm import SamplingParams
+
+    states = runner.req_states
+    for rid, slot, prompt_len, extra in requests:
+        old = states.index_to_req_id.pop(slot, None)
+        states.req_id_to_index.pop(old, None)
+        states.req_id_to_index[rid], states.index_to_req_id[slot] = slot, rid
+        states.prompt_len.np[slot] = states.prefill_len.np[slot] = prompt_len
+        for processor in processors:
+            processor.add_request(slot, SamplingParams(extra_args=extra))
+
+
+def finish_v2(runner, rid: str) -> None:
+    """Model runner V2's `remove_request`: the slot goes back to the free list."""
+    slot = runner.req_states.req_id_to_index.pop(rid)
+    runner.req_states.index_to_req_id.pop(slot)
+
+
 def make_batch(
     q_lens, kv_lens, *, heads=4, kv_heads=2, dim=32, page=16, num_blocks=64, dtype=torch.float32, gen=None
 ) -> Batch:

@@ -11,9 +11,13 @@ uncovered per-request target (plugins/vllm/request_targets.py) is refused at onc
 `enable_admission_checks` (the process that created the engine config is the one that admits its requests). With
 several sparse engines in one process a target must be valid for each of them.
 
-Model runner V2 (vLLM's GPU default from 0.33) takes processors of another interface; its per-request rows are not
-wired yet, so there a request that sets a target is refused at admission with the switch that serves it
-(VLLM_USE_V2_MODEL_RUNNER=0), never served silently at the checkpoint's target.
+Model runner V2 (vLLM's GPU default from 0.33) takes processors of another interface, and keeps no request's
+SamplingParams where the plan could read them. There the processor also carries the params to the worker: its
+sampler calls `add_request(slot, params)` on each new request, and the processor records the extra_args per
+request-table slot (`request_targets.v2_slot_args`), which the plan reads through the metadata's `req_idx`. V2
+builds its sampler only on the last pipeline stage, so with pipeline parallelism a request that sets a target is
+refused at admission with the switch that serves it (VLLM_USE_V2_MODEL_RUNNER=0), never served silently at the
+checkpoint's target on the other stages.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ import torch
 from vllm.v1.sample.logits_processor.interface import LogitsProcessor as _V1LogitsProcessor
 
 from ...checkpoint.config_io import SparseAttentionSettings
-from .request_targets import RequestTargetError, request_row, requested_targets
+from .request_targets import RequestTargetError, request_row, requested_targets, v2_slot_args
 
 logger = logging.getLogger(__name__)
 
 _DISABLED = "disabled"
 _SETTINGS: list = []  # per process: the settings of each sparse engine created here (or _DISABLED)
-_V2_REFUSAL = ("per-request sparse-attention targets need vLLM's model runner V1 on this release; start the server "
-               "with VLLM_USE_V2_MODEL_RUNNER=0, or drop the sparse_attn_* keys")
+_V2_PP_REFUSAL = ("per-request sparse-attention targets with pipeline parallelism need vLLM's model runner V1 "
+                  "(model runner V2 hands request parameters only to the last stage); start the server with "
+                  "VLLM_USE_V2_MODEL_RUNNER=0, or drop the sparse_attn_* keys")
 
 
 def _check(sampling_params) -> None:
@@ -65,20 +70,38 @@ class SparseAttentionTargets(_V1LogitsProcessor):
         pass
 
 
-def _v2_class():
-    """The V2-interface processor, defined only where vLLM has the interface."""
+def _v2_classes():
+    """The V2-interface processors, defined only where vLLM has the interface."""
     try:
         from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as _V2LogitsProcessor
     except ImportError:  # pragma: no cover - releases before the V2 runner
-        return None
+        return None, None
 
     class SparseAttentionTargetsV2(_V2LogitsProcessor):
-        """Model runner V2: refuses per-request targets at admission (not wired to its batch yet)."""
+        """Model runner V2: checks per-request targets at admission and, in the worker, records each new request's
+        extra_args per request slot for the plan; leaves logits untouched."""
+
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            _check(sampling_params)
+
+        def __init__(self, vllm_config, req_states) -> None:
+            self._slot_args = v2_slot_args(req_states)
+
+        def add_request(self, req_idx: int, sampling_params) -> bool:
+            self._slot_args[int(req_idx)] = getattr(sampling_params, "extra_args", None)
+            return False  # no logits work for this request
+
+        def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+            return logits
+
+    class SparseAttentionTargetsV2Staged(_V2LogitsProcessor):
+        """Model runner V2 with pipeline parallelism: refuses per-request targets at admission (see above)."""
 
         @classmethod
         def validate_params(cls, sampling_params) -> None:
             if requested_targets(getattr(sampling_params, "extra_args", None)) is not None:
-                raise RequestTargetError(_V2_REFUSAL)
+                raise RequestTargetError(_V2_PP_REFUSAL)
 
         def add_request(self, req_idx: int, sampling_params) -> bool:
             return False
@@ -86,11 +109,12 @@ def _v2_class():
         def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
             return logits
 
-    SparseAttentionTargetsV2.__qualname__ = "SparseAttentionTargetsV2"  # vLLM loads it by module:qualname
-    return SparseAttentionTargetsV2
+    for cls in (SparseAttentionTargetsV2, SparseAttentionTargetsV2Staged):
+        cls.__qualname__ = cls.__name__  # vLLM loads them by module:qualname
+    return SparseAttentionTargetsV2, SparseAttentionTargetsV2Staged
 
 
-SparseAttentionTargetsV2 = _v2_class()
+SparseAttentionTargetsV2, SparseAttentionTargetsV2Staged = _v2_classes()
 
 
 def _fqcn(cls) -> str:
@@ -119,8 +143,10 @@ def enable_admission_checks(vllm_config, settings: SparseAttentionSettings | Non
     entry = _DISABLED if settings is None else settings
     if entry not in _SETTINGS:
         _SETTINGS.append(entry)
-    v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
-    cls = SparseAttentionTargetsV2 if v2 and SparseAttentionTargetsV2 is not None else SparseAttentionTargets
+    cls = SparseAttentionTargets
+    if getattr(vllm_config, "use_v2_model_runner", False) and SparseAttentionTargetsV2 is not None:
+        staged = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) > 1
+        cls = SparseAttentionTargetsV2Staged if staged else SparseAttentionTargetsV2
     model_config = vllm_config.model_config
     processors = list(model_config.logits_processors or ())
     if not any(p is cls or p == _fqcn(cls) for p in processors):

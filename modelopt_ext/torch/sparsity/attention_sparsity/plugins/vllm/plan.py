@@ -39,6 +39,8 @@ import math
 import numpy as np
 import torch
 
+from .request_stats import FEEDBACK_BOUND
+
 logger = logging.getLogger(__name__)
 
 PLAN_ATTR = "modelopt_sparse_plan"
@@ -182,7 +184,7 @@ class SparsePlanner:
         self._ensure_capacity(b)
         rows = None
         if context.request_laws is not None and not context.calibrating:
-            rows = context.request_laws(b, context)
+            rows = context.request_laws(b, context, cam)
         if rows is None:
             self._refresh_law(context)
         elif rows is not self._rows_written:  # the source returns the same table while the batch is unchanged
@@ -228,7 +230,7 @@ class SparsePlanner:
         if context.calibrating:
             self._calibration_fields(plan, context, b)
         else:
-            self._serving_fields(plan, context, b, rows, graph_bound, max(max_seq_len, longest_prompt))
+            self._serving_fields(plan, context, cam, rows, graph_bound, max(max_seq_len, longest_prompt))
         self._staging_turn ^= 1
         return plan
 
@@ -244,21 +246,22 @@ class SparsePlanner:
         plan.trial_log_scale_factors = plan.kernel_log_sf = table
         plan.calibrate = True
 
-    def _serving_fields(self, plan: SparsePlan, context, b: int, rows, graph_bound, longest: int) -> None:
+    def _serving_fields(self, plan: SparsePlan, context, cam, rows, graph_bound, longest: int) -> None:
         """The law, the counters (per phase and per request), decode feedback, and the host's dense decision."""
+        b = plan.num_reqs
         plan.log_scale_factors = self.log_scale_factors[:b]
         plan.kernel_log_sf = plan.log_scale_factors.unsqueeze(1)
         plan.counts = self.counts[:b]
         feedback = self._feedback_on and rows is not None
         counters = context.request_counters
         if counters is not None and context.track_sparsity:
-            plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device)
+            plan.request_index = counters.step(b, self.capacity, plan.phase_index, self.device, cam)
             plan.request_table = counters.flat_table
             if feedback:  # decode feedback: c_decode = the row's base + δ of its request
                 offsets = counters.decode_offsets(b, self._feedback[:, 1], self._feedback[:, 0])
                 torch.add(self._base_c[:b, 1], offsets, out=self.log_scale_factors[:b, 1])
-        if graph_bound is None and not feedback:  # eager: the dense path when no row can drop a tile (not with
-            laws = [context.law()] if rows is None else self._row_laws  # feedback: it moves λ on the device)
+        if graph_bound is None:  # eager: the dense path when no row can drop a tile (feedback rows: at any δ)
+            laws = [context.law()] if rows is None else self._row_laws
             plan.dense = all(step_is_dense(law, longest) for law in laws)
 
     def _write_rows(self, rows: np.ndarray, b: int) -> None:
@@ -275,7 +278,9 @@ class SparsePlanner:
             self._base_c[:b].copy_(self.log_scale_factors[:b])
             self._feedback[:b].copy_(staging[2, :b], non_blocking=True)
         self._rows_written = rows
-        self._row_laws = [((c0, c1), (g0, g1)) for c0, c1, g0, g1, *_ in {tuple(r) for r in rows[:b].tolist()}]
+        # the host's dense decision: a feedback row's decode c may move down to c - bound on the device
+        self._row_laws = [((c0, c1 - FEEDBACK_BOUND * abs(gain)), (g0, g1))
+                          for c0, c1, g0, g1, _, gain in {tuple(r) for r in rows[:b].tolist()}]  # fmt: skip
 
 
 def step_is_dense(law, longest: int) -> bool:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .request_targets import ties_rows_to_requests
+from .request_targets import request_rows
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def user_request_id(engine_id: str) -> str:
 class RequestCounters:
     """Per-request counts of one engine, on the device; see the module docstring."""
 
-    def __init__(self, runner) -> None:
-        self._runner = runner
+    def __init__(self, runner, rows=None) -> None:
+        self._rows = rows if rows is not None else request_rows(runner)[0]  # V1Rows / V2Rows
         self.table: torch.Tensor | None = None  # [slots + 1, 2, 2]; the last slot absorbs overflow, never reported
         self.flat_index: torch.Tensor | None = None  # [capacity] int64: slot·2 + phase of each row of this step
         self._slot_of: dict[str, int] = {}
@@ -103,17 +103,16 @@ class RequestCounters:
         while len(self._finished) > KEEP_FINISHED:
             self._finished.popitem(last=False)
 
-    def step(self, num_reqs: int, capacity: int, phase_index: torch.Tensor, device) -> torch.Tensor:
+    def step(self, num_reqs: int, capacity: int, phase_index: torch.Tensor, device,
+             common_attn_metadata=None) -> torch.Tensor:  # fmt: skip
         """Each row's flat index into the table for this step (a view of a persistent buffer)."""
         if self.table is None or self.flat_index.shape[0] < capacity:
             self._allocate(capacity, torch.device(device))
-        batch = self._runner.input_batch
-        live = min(int(num_reqs), int(batch.num_reqs))
-        ids = batch.req_ids[:live]
+        ids = self._rows.row_ids(num_reqs, common_attn_metadata)
+        live = len(ids)
         if ids != self._last_ids:
             present = set(ids)
-            live_requests = self._runner.requests
-            for req_id in [r for r in self._slot_of if r not in present and r not in live_requests]:
+            for req_id in [r for r in self._slot_of if r not in present and not self._rows.is_live(r)]:
                 self._finish(req_id)
             staging = self._host_slots[self._turn]
             self._turn ^= 1
@@ -122,7 +121,7 @@ class RequestCounters:
             host[:live] = np.fromiter((self._slot(r) if r is not None else self.table.shape[0] - 1 for r in ids),
                                       dtype=np.int64, count=live)  # fmt: skip
             self._slots_dev[: int(num_reqs)].copy_(staging[: int(num_reqs)], non_blocking=True)
-            self._last_ids = list(ids)
+            self._last_ids = ids
         index = self.flat_index[: int(num_reqs)]
         torch.mul(self._slots_dev[: int(num_reqs)], 2, out=index)
         index.add_(phase_index)
@@ -171,5 +170,6 @@ class RequestCounters:
 
 
 def request_counters_source(runner):
-    """A `RequestCounters` for this runner, or None where rows cannot be tied to requests (not model runner V1)."""
-    return RequestCounters(runner) if ties_rows_to_requests(runner) else None
+    """A `RequestCounters` for this runner, or None where rows cannot be tied to requests (`request_rows`)."""
+    rows, _ = request_rows(runner)
+    return RequestCounters(runner, rows) if rows is not None else None

@@ -32,6 +32,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -169,19 +170,98 @@ def checkpoint_law(settings: SparseAttentionSettings | None) -> Law:
     return request_law({}, settings)
 
 
+class V1Rows:
+    """Model runner V1: metadata row i is the persistent batch's row i (`input_batch.req_ids`), and a request's
+    params are `requests[id].sampling_params`."""
+
+    name = "input_batch.req_ids + requests[...].sampling_params (model runner V1)"
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+
+    def row_ids(self, num_reqs: int, common_attn_metadata=None) -> list:
+        batch = self._runner.input_batch
+        return list(batch.req_ids[: min(int(num_reqs), int(batch.num_reqs))])
+
+    def extra_args(self, req_id: str):
+        params = getattr(self._runner.requests.get(req_id), "sampling_params", None)
+        return getattr(params, "extra_args", None)
+
+    def is_live(self, req_id: str) -> bool:
+        return req_id in self._runner.requests
+
+
+# Model runner V2 keeps no request's SamplingParams where the plan can read them: its sampler hands each new
+# request's params to every custom logits processor (`add_request(slot, params)`, plugins/vllm/admission.py), which
+# records the extra_args per request-table slot here. The processor is built with a `LogitsProcRequestState` that
+# wraps the runner's own per-slot buffers, so one runner's table is keyed by its `req_states.prompt_len` buffer.
+_V2_SLOT_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def v2_slot_args(req_states) -> dict[int, Any]:
+    """The extra_args per request slot of one V2 runner (`req_states`: the runner's, or the processor's
+    `LogitsProcRequestState` view of it), filled by the admission processor in its worker."""
+    key = req_states.prompt_len
+    table = _V2_SLOT_ARGS.get(key)
+    if table is None:
+        table = _V2_SLOT_ARGS[key] = {}
+    return table
+
+
+class V2Rows:
+    """Model runner V2: `CommonAttentionMetadata.req_idx` maps metadata rows to request-table slots,
+    `req_states.index_to_req_id` names each slot's request, and the slot's extra_args come from the admission
+    processor's `add_request` (`v2_slot_args`)."""
+
+    name = "req_states.index_to_req_id[req_idx] + the logits processor's add_request (model runner V2)"
+
+    def __init__(self, runner) -> None:
+        self._states = runner.req_states
+
+    def row_ids(self, num_reqs: int, common_attn_metadata=None) -> list:
+        req_idx = getattr(common_attn_metadata, "req_idx", None)
+        if req_idx is None:  # a dummy or profiling run: no request's rows
+            return []
+        names = self._states.index_to_req_id
+        return [names.get(int(slot)) for slot in np.asarray(req_idx)[: int(num_reqs)]]
+
+    def extra_args(self, req_id: str):
+        slot = self._states.req_id_to_index.get(req_id)
+        return None if slot is None else v2_slot_args(self._states).get(slot)
+
+    def is_live(self, req_id: str) -> bool:
+        return req_id in self._states.req_id_to_index
+
+
+def request_rows(runner):
+    """`(view, reason)`: how this runner ties metadata rows to requests (`V1Rows` / `V2Rows`), or None and why."""
+    if runner is None:
+        return None, "no model runner given (direct install)"
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict):
+        return V1Rows(runner), None
+    states = getattr(runner, "req_states", None)
+    if states is not None and hasattr(states, "index_to_req_id") and hasattr(states, "req_id_to_index"):
+        from .compat import vllm_facts
+
+        if "req_idx" not in vllm_facts().common_metadata_fields:
+            return None, "model runner V2 of this vLLM passes no req_idx in CommonAttentionMetadata"
+        return V2Rows(runner), None
+    return None, f"{type(runner).__name__} is neither vLLM's model runner V1 nor V2 as the plugin reads them"
+
+
 class RequestLaws:
-    """Model runner V1: each row's law and decode feedback (`Row`) for this step, from its request's
-    `sampling_params.extra_args`.
+    """Each row's law and decode feedback (`Row`) for this step, from its request's `extra_args` (rows tied to
+    requests by a `V1Rows` / `V2Rows` view).
 
     Called once per step by the planner (not per layer). The per-request parse is cached by request id, and the
     whole table by the batch's request ids, so a step whose batch did not change costs one list comparison.
     Returns None when no request of the step sets its own target (the checkpoint's law then fills the buffers).
     """
 
-    name = "input_batch.req_ids + requests[...].sampling_params.extra_args (model runner V1)"
-
-    def __init__(self, runner) -> None:
-        self._runner = runner
+    def __init__(self, runner, rows=None) -> None:
+        self._rows = rows if rows is not None else request_rows(runner)[0]
+        self.name = self._rows.name
         self._parsed: dict[str, Law | None] = {}
         self._last_ids: list | None = None
         self._last_key = None
@@ -190,20 +270,16 @@ class RequestLaws:
     def _law_of(self, req_id: str, settings) -> Row | None:
         if req_id in self._parsed:
             return self._parsed[req_id]
-        state = self._runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
         law = None
         try:
-            law = request_row(getattr(params, "extra_args", None), settings)
+            law = request_row(self._rows.extra_args(req_id), settings)
         except RequestTargetError as exc:
             logger.warning("request %s: %s; served at the checkpoint's targets", req_id, exc)
         self._parsed[req_id] = law
         return law
 
-    def __call__(self, num_reqs: int, context) -> np.ndarray | None:
-        batch = self._runner.input_batch
-        live = min(int(num_reqs), int(batch.num_reqs))
-        ids = batch.req_ids[:live]
+    def __call__(self, num_reqs: int, context, common_attn_metadata=None) -> np.ndarray | None:
+        ids = self._rows.row_ids(num_reqs, common_attn_metadata)
         key = (context.version, id(context.settings), int(num_reqs))
         if key == self._last_key and ids == self._last_ids:
             return self._last_table
@@ -219,21 +295,11 @@ class RequestLaws:
             for row, law in enumerate(laws):
                 if law is not None:
                     table[row] = law
-        self._last_ids, self._last_key, self._last_table = list(ids), key, table
+        self._last_ids, self._last_key, self._last_table = ids, key, table
         return table
-
-
-def ties_rows_to_requests(runner) -> bool:
-    """Whether the runner is vLLM's model runner V1 as the per-request pieces read it: the persistent batch's
-    `input_batch.req_ids` (metadata row i is batch row i) and `requests[id].sampling_params`."""
-    batch = getattr(runner, "input_batch", None) if runner is not None else None
-    return batch is not None and hasattr(batch, "req_ids") and isinstance(getattr(runner, "requests", None), dict)
 
 
 def request_laws_source(runner):
     """`(source, reason)`: the per-request law source of this runner, or None and why there is none."""
-    if runner is None:
-        return None, "no model runner given (direct install)"
-    if ties_rows_to_requests(runner):
-        return RequestLaws(runner), None
-    return None, f"{type(runner).__name__} is not vLLM's model runner V1 (per-request targets need it)"
+    rows, reason = request_rows(runner)
+    return (RequestLaws(runner, rows), None) if rows is not None else (None, reason)
