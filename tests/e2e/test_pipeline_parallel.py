@@ -68,3 +68,5 @@ def test_pipeline_parallel_serving_is_sparse_on_both_stages(pp_calibrated, tmp_p
         assert line is not None, scrape[-3000:]
         per_stage = [s["realized"]["prefill"]["visited"] for s in statuses]
         assert max(per_stage) < float(line.split()[-1]) <= sum(per_stage), (line, per_stage)
+        # each stage's layers once: every layer of the model, served sparse
+        assert f'modelopt_sparse_attn_layers{{reason="",served="sparse"}} {float(NUM_LAYERS)}' in scrape

@@ -119,6 +119,7 @@ def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path
                    if line.startswith('modelopt_sparse_attn_tiles_visited_total{phase="prefill"}')]
         assert visited and float(visited[0].split()[-1]) > 0, scrape[-3000:]
         assert 'modelopt_sparse_attn_realized_sparsity{phase="decode"}' in scrape
+        assert f'modelopt_sparse_attn_layers{{reason="",served="sparse"}} {float(NUM_LAYERS)}' in scrape, scrape[-3000:]
         # Per-request targets (vllm_xargs): a bad one is an HTTP 400 naming the key, and the server keeps serving;
         # a request that asks for dense drops nothing.
         for xargs, needle in (({"sparse_attn_target": 2}, "sparse_attn_target=2"),

@@ -62,3 +62,40 @@ def test_workers_without_a_server_directory_write_nothing(monkeypatch, tmp_path)
     monkeypatch.setenv(metrics.ENV_METRICS_DIR, str(tmp_path / "gone"))
     metrics.write_worker_totals({"prefill": {"visited": 1, "skipped": 0}, "decode": {"visited": 0, "skipped": 0}})
     assert not (tmp_path / "gone").exists()
+
+
+def test_layers_by_how_they_are_served_count_each_layer_once(monkeypatch, make_layer):
+    """`modelopt_sparse_attn_layers{served, reason}` from real layers (`served_layers` after an install that keeps
+    one layer dense by the ignore list): two tensor-parallel ranks hold the same layers, a second pipeline stage
+    others; each layer counts once."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+        PhaseCalibration,
+        SparseAttentionSettings,
+    )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import served_layers
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    layers = [make_layer("flash_attn", head_size=64, prefix=name) for name in names]
+    settings = SparseAttentionSettings(prefill=PhaseCalibration(4.0, 8.0, 0.5), decode=None,
+                                       disabled_layers=("model.layers.1.self_attn",))  # fmt: skip
+    plug.install_sparse_attention(layers[:2], settings)  # stage 0
+    plug.install_sparse_attention(layers[2:], settings)  # stage 1
+    stage0, stage1 = served_layers(layers[:2]), served_layers(layers[2:])
+    assert stage0[names[0]] == "" and stage0[names[1]] and set(stage1.values()) == {""}
+    monkeypatch.delenv(metrics.ENV_METRICS_DIR, raising=False)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    directory = metrics.export_to_prometheus()
+    zero = {phase: {"visited": 0, "skipped": 0} for phase in ("prefill", "decode")}
+    try:
+        for rank, served in (("tp0-pp0", stage0), ("tp1-pp0", stage0), ("tp0-pp1", stage1)):
+            metrics.write_worker_totals(zero, rank, layers=served)
+        got = {}
+        for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+            for s in family.samples:
+                if s.name == f"{metrics.PREFIX}_layers":
+                    got[(s.labels["served"], s.labels["reason"])] = s.value
+        assert got == {("sparse", ""): 3, ("dense", stage0[names[1]]): 1}
+    finally:
+        metrics.stop_exporting()
+    assert directory is not None and not directory.exists()

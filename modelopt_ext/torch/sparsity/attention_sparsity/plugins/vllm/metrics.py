@@ -6,16 +6,24 @@ default registry. So:
 - when vLLM creates an engine config for a checkpoint with a block (the API server process, plugins/vllm/entry.py),
   `export_to_prometheus` makes a private directory for this server, names it in `ENV_METRICS_DIR` (the engine core
   and its workers, started later, inherit it) and registers one collector in that process's default registry;
-- each worker writes its per-phase totals there (one small JSON file per worker, replaced atomically) when it
-  already reads its counters for the periodic log line (`MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY`, default every 256
-  steps; every 256 when that log is off), so serving gains no host sync for it;
-- at each scrape the collector sums the files.
+- each worker writes its per-phase totals and how each of its attention layers is served there (one small JSON
+  file per worker, replaced atomically) once at install and then when it already reads its counters for the
+  periodic log line (`MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY`, default every 256 steps; every 256 when that log is
+  off), so serving gains no host sync for it;
+- at each scrape the collector sums the files' counts, and counts distinct layer names (a tensor-parallel rank
+  holds the same layers as its peers; pipeline stages hold different ones).
 
 Exported (label `phase` = prefill / decode):
 
     modelopt_sparse_attn_tiles_visited_total    row-tiles the sparse kernels visited (all sparse layers and ranks)
     modelopt_sparse_attn_tiles_skipped_total    of those, dropped
     modelopt_sparse_attn_realized_sparsity      skipped / visited
+
+and, per kind of layer (labels `served` = sparse / dense and `reason`, why a dense layer is kept dense: sliding
+window, chunk-local attention, the ignore list, ...; empty for sparse layers), so an operator sees what share of a
+hybrid model the counters above cover:
+
+    modelopt_sparse_attn_layers                 attention layers served that way
 
 The counters restart at 0 after `sparse_attn_reset_stats` or an engine restart (Prometheus' `rate()` handles that).
 With `--api-server-count > 1` vLLM exports only its multiprocess registry: the metrics are not there, and the
@@ -45,18 +53,32 @@ class SparseAttentionCollector:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def totals(self) -> dict[str, list[int]]:
-        sums = {phase: [0, 0] for phase in PHASES}
+    def _files(self):
         for path in self.directory.glob("worker-*.json"):
             try:
-                data = json.loads(path.read_text())
+                yield json.loads(path.read_text())
             except (OSError, ValueError):  # a file being replaced: the next scrape reads it
                 continue
+
+    def totals(self) -> dict[str, list[int]]:
+        sums = {phase: [0, 0] for phase in PHASES}
+        for data in self._files():
             for phase in PHASES:
                 counts = data.get(phase, {})
                 sums[phase][0] += int(counts.get("visited", 0))
                 sums[phase][1] += int(counts.get("skipped", 0))
         return sums
+
+    def layers(self) -> dict[tuple[str, str], int]:
+        """(served, reason) -> number of distinct attention layers over all workers."""
+        reason_of: dict[str, str] = {}
+        for data in self._files():
+            reason_of.update(data.get("layers", {}))
+        counts: dict[tuple[str, str], int] = {}
+        for reason in reason_of.values():
+            key = ("dense", reason) if reason else ("sparse", "")
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -71,7 +93,11 @@ class SparseAttentionCollector:
             visited.add_metric([phase], v)
             skipped.add_metric([phase], s)
             ratio.add_metric([phase], s / v if v else 0.0)
-        yield from (visited, skipped, ratio)
+        layers = GaugeMetricFamily(f"{PREFIX}_layers", "Attention layers served sparse, or kept dense and why",
+                                   labels=["served", "reason"])  # fmt: skip
+        for (served, reason), count in sorted(self.layers().items()):
+            layers.add_metric([served, reason], count)
+        yield from (visited, skipped, ratio, layers)
 
 
 def export_to_prometheus() -> Path | None:
@@ -121,12 +147,15 @@ def exporting() -> bool:
     return bool(directory) and os.path.isdir(directory)
 
 
-def write_worker_totals(totals: dict, rank_key: str | None = None) -> None:
-    """Worker side: replace this worker's file with its per-phase totals ({phase: {"visited", "skipped"}})."""
+def write_worker_totals(totals: dict, rank_key: str | None = None, layers: dict[str, str] | None = None) -> None:
+    """Worker side: replace this worker's file with its per-phase totals ({phase: {"visited", "skipped"}}) and how
+    its attention layers are served ({layer name: "" when sparse, else why it is kept dense})."""
     if not exporting():
         return
     path = Path(os.environ[ENV_METRICS_DIR]) / f"worker-{rank_key or os.getpid()}.json"
     data = {phase: {k: int(totals[phase][k]) for k in ("visited", "skipped")} for phase in PHASES}
+    if layers is not None:
+        data["layers"] = dict(layers)
     tmp = path.with_suffix(".tmp")
     try:
         tmp.write_text(json.dumps(data))

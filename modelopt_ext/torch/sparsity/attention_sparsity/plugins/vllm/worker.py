@@ -47,6 +47,17 @@ def summarize_stats(stats: dict) -> dict:
     return totals
 
 
+def served_layers(model) -> dict[str, str]:
+    """{attention layer name: "" when it runs sparse, else the first reason it is kept dense} (for /metrics)."""
+    from .. import vllm as vllm_plugin
+
+    out = {}
+    for name, layer in vllm_plugin._layers(model):
+        reasons = list(getattr(layer, DENSE_REASONS_ATTR, ()))
+        out[name] = "" if vllm_plugin.is_sparse_layer(layer) else (reasons[0] if reasons else "no sparse impl")
+    return out
+
+
 def install_for_serving(worker, settings: SparseAttentionSettings | None = None, *, prepare_dense: bool = False):
     """Install serve-mode sparse attention from `settings` or the checkpoint; None when there is nothing to do.
 
@@ -72,6 +83,9 @@ def install_for_serving(worker, settings: SparseAttentionSettings | None = None,
         logger.info("checkpoint has no sparse_attention_config: serving dense attention (%d layer(s) prepared for "
                     "calibration)", len(report.sparse))
         return report
+    if exporting():  # /metrics shows the layers from the start, not only after the first counter read
+        model = worker_model(worker)
+        write_worker_totals(summarize_stats(vllm_plugin.get_sparsity_stats(model)), layers=served_layers(model))
     backends = sorted(set(report.native_impls.values()))
     logger.info(
         "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s; "
@@ -163,7 +177,7 @@ class SparseAttnWorkerExtension:
     def sparse_attn_request_stats(self, request_ids=None) -> dict:
         """Realized sparsity per request (running, and the last finished ones), per phase, on this rank:
         {engine request id: {"user_request_id", "finished", "prefill", "decode"}}; `request_ids` filters by the
-        engine's id or the user's (vLLM's `RequestOutput.request_id`). Needs vLLM's model runner V1."""
+        engine's id or the user's (vLLM's `RequestOutput.request_id`). Model runner V1 or V2."""
         from .stats import get_request_stats
 
         return get_request_stats(worker_model(self), request_ids)
@@ -183,8 +197,10 @@ def _maybe_log_sparsity(worker) -> None:
         return  # nothing to log or export: no read of the counters (it syncs with the device)
     from .. import vllm as vllm_plugin
 
-    totals = summarize_stats(vllm_plugin.get_sparsity_stats(worker_model(worker)))
-    write_worker_totals(totals)
+    model = worker_model(worker)
+    totals = summarize_stats(vllm_plugin.get_sparsity_stats(model))
+    if exporting():
+        write_worker_totals(totals, layers=served_layers(model))
     if every and any(t["visited"] for t in totals.values()):
         logger.info(
             "sparse attention after %d steps: realized sparsity prefill %s, decode %s",
