@@ -74,7 +74,7 @@ def _drive(name: str, ckpt: Path, core: int, work: Path) -> dict:
 
 
 def model_table(results: dict) -> str:
-    """The README's Models table from this run."""
+    """docs/models.md's model table from this run."""
     rows = ["| architecture | layers sparse / dense | kept dense because | realized sparsity prefill / decode |",
             "|---|---|---|---|"]  # fmt: skip
     for name, r in results.items():

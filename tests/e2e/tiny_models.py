@@ -23,7 +23,7 @@ QK_NORM_SCALE = 4.0
 
 @dataclass(frozen=True)
 class TinyModel:
-    name: str  # the README's Models table
+    name: str  # the model table of docs/models.md
     config_class: str  # transformers class
     model_class: str
     kwargs: dict
