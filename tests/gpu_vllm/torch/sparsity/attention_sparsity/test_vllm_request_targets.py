@@ -305,10 +305,9 @@ def _serve(layer, vllm_config, batch, runner, **metadata):
     return out, plug.get_sparsity_stats([layer])[layer.layer_name], plug.get_request_stats([layer])
 
 
-@pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
-def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_layer, vllm_config):
-    """Three requests at 0.2, 0.8 and dense in one step: each row equals the row served alone, and equals the
-    checkpoint served at that target; the dense request equals the float64 reference; skipped tiles add up."""
+def _mixed_step(make_layer, backend):
+    """A sparse layer with a filled cache, a fresh peaked batch (a prefill and two decodes) and its three requests:
+    targets 0.2, 0.8 and dense."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     batch = _peaked_batch(gen)
     requests = [("lo", 300, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
@@ -318,6 +317,14 @@ def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_l
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
+    return layer, batch, requests
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
+def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_layer, vllm_config):
+    """Three requests at 0.2, 0.8 and dense in one step: each row equals the row served alone, and equals the
+    checkpoint served at that target; the dense request equals the float64 reference; skipped tiles add up."""
+    layer, batch, requests = _mixed_step(make_layer, backend)
     mixed, mixed_counts, per_request = _serve(layer, vllm_config, batch, V1Runner(requests))
     rows = batch.query_start_loc.tolist()
     alone_counts = []
@@ -348,15 +355,7 @@ def test_model_runner_v2_serves_each_row_at_its_requests_target(backend, make_la
     counts equal the V1 step's; a finished request's slot, reused by a request without a target, carries no stale
     target."""
     runner, processors = _v2_runner_and_processors(monkeypatch)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    batch = _peaked_batch(gen)
-    requests = [("lo", 300, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
-                ("dense", 100, {"sparse_attn_target": "dense"})]
-    layer = make_layer(backend, head_size=D)
-    plug.install_sparse_attention([layer], _settings())
-    cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
-    fill_prefix(cache, batch, PAGE)
-    attach_kv_cache(layer, cache.kv_cache)
+    layer, batch, requests = _mixed_step(make_layer, backend)
     v1 = _serve(layer, vllm_config, batch, V1Runner(requests))
     slots = [6, 1, 3]  # V2 gives requests table slots from a free list; rows map to them through req_idx
     admit_v2(runner, processors, [(rid, slot, n, extra) for (rid, n, extra), slot in zip(requests, slots, strict=True)])
@@ -399,6 +398,31 @@ def test_request_counters_keep_finished_requests_and_free_their_slots():
     assert snap["c"]["decode"] == {"visited": 2, "skipped": 1, "sparsity": 0.5}  # the freed slot starts at zero
     counters.reset()
     assert "a-0123abcd" not in counters.snapshot() and counters.snapshot()["b"]["prefill"]["visited"] == 0
+
+
+def test_request_counters_on_model_runner_v2_keep_a_preempted_requests_counts(monkeypatch):
+    """Model runner V2 treats a preempted request as finished (its slot is freed) and re-adds it when it resumes,
+    maybe in another slot: its counts continue from what it had."""
+    runner, processors = _v2_runner_and_processors(monkeypatch)
+    counters = RequestCounters(runner)
+    phases = torch.tensor([0, 1])
+
+    def step(slots, counts):
+        meta = types.SimpleNamespace(req_idx=np.array(slots))
+        index = counters.step(len(slots), 4, phases[: len(slots)], "cpu", meta)
+        counters.flat_table.index_add_(0, index, torch.tensor(counts, dtype=torch.int64))
+
+    admit_v2(runner, processors, [("a", 2, 10, None), ("b", 5, 10, None)])
+    step([2, 5], [[10, 4], [7, 1]])
+    finish_v2(runner, "a")  # preempted: V2 frees its state
+    step([5], [[3, 1]])
+    assert counters.snapshot()["a"]["finished"]
+    admit_v2(runner, processors, [("a", 0, 10, None)])  # resumed in another slot
+    step([5, 0], [[1, 1], [2, 2]])
+    snap = counters.snapshot()
+    assert not snap["a"]["finished"] and snap["a"]["prefill"] == {"visited": 10, "skipped": 4, "sparsity": 0.4}
+    assert snap["a"]["decode"] == {"visited": 2, "skipped": 2, "sparsity": 1.0}
+    assert snap["b"]["decode"]["visited"] == 7 and snap["b"]["prefill"]["visited"] == 3 + 1  # phases by row
 
 
 # ------------------------------------------------------------------------------------------------------------------

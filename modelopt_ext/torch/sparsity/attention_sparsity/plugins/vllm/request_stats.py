@@ -5,7 +5,8 @@ allocation on the device per step or layer:
 
 - a device table [slots, phase, (visited, skipped)] int64, allocated once (`SLOTS_PER_SEQ` × max_num_seqs slots);
 - each request gets a slot when it first appears in a step (host dict), and keeps it while vLLM keeps its state
-  (a preempted request keeps its counts);
+  (a preempted request keeps its counts: model runner V1 keeps its state, V2 drops it and re-adds the request
+  later, whose counts then continue from those copied out);
 - per step the planner writes each row's flat index (slot·2 + phase) into a persistent device buffer (pinned
   staging, one non-blocking copy, only when the batch changed) and every sparse layer adds its per-row counts there
   with one `index_add_` (capturable in CUDA graphs: fixed addresses);
@@ -82,6 +83,10 @@ class RequestCounters:
         if slot is None:
             if self._free:
                 slot = self._slot_of[req_id] = self._free.pop()
+                earlier = self._finished.pop(req_id, None)
+                if earlier is not None:  # model runner V2 drops a preempted request's state; it returns by its id
+                    self.table[slot].copy_(earlier, non_blocking=True)
+                    self._prev_decode[slot].copy_(earlier[1], non_blocking=True)  # feedback: no spurious step
             else:
                 slot = self.table.shape[0] - 1
                 if not self._overflow_logged:
