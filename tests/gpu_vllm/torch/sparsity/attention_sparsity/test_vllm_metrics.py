@@ -75,10 +75,10 @@ def test_layers_by_how_they_are_served_count_each_layer_once(monkeypatch, make_l
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import served_layers
 
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    names = [f"metrics_lm.layers.{i}.self_attn.attn" for i in range(4)]  # unique in the tests' shared vLLM config
     layers = [make_layer("flash_attn", head_size=64, prefix=name) for name in names]
     settings = SparseAttentionSettings(prefill=PhaseCalibration(4.0, 8.0, 0.5), decode=None,
-                                       disabled_layers=("model.layers.1.self_attn",))  # fmt: skip
+                                       disabled_layers=("metrics_lm.layers.1.self_attn",))  # fmt: skip
     plug.install_sparse_attention(layers[:2], settings)  # stage 0
     plug.install_sparse_attention(layers[2:], settings)  # stage 1
     stage0, stage1 = served_layers(layers[:2]), served_layers(layers[2:])
