@@ -223,7 +223,7 @@ class V2Rows:
         if req_idx is None:  # a dummy or profiling run: no request's rows
             return []
         names = self._states.index_to_req_id
-        return [names.get(int(slot)) for slot in np.asarray(req_idx)[: int(num_reqs)]]
+        return [names.get(slot) for slot in np.asarray(req_idx)[: int(num_reqs)].tolist()]
 
     def extra_args(self, req_id: str):
         slot = self._states.req_id_to_index.get(req_id)
