@@ -53,26 +53,31 @@ class SparseAttentionCollector:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def _files(self):
+    def _files(self) -> list[dict]:
+        out = []
         for path in self.directory.glob("worker-*.json"):
             try:
-                yield json.loads(path.read_text())
+                out.append(json.loads(path.read_text()))
             except (OSError, ValueError):  # a file being replaced: the next scrape reads it
                 continue
+        return out
 
-    def totals(self) -> dict[str, list[int]]:
+    @staticmethod
+    def totals(files: list[dict]) -> dict[str, list[int]]:
+        """phase -> [visited, skipped] summed over the workers' files."""
         sums = {phase: [0, 0] for phase in PHASES}
-        for data in self._files():
+        for data in files:
             for phase in PHASES:
                 counts = data.get(phase, {})
                 sums[phase][0] += int(counts.get("visited", 0))
                 sums[phase][1] += int(counts.get("skipped", 0))
         return sums
 
-    def layers(self) -> dict[tuple[str, str], int]:
-        """(served, reason) -> number of distinct attention layers over all workers."""
+    @staticmethod
+    def layers(files: list[dict]) -> dict[tuple[str, str], int]:
+        """(served, reason) -> number of distinct attention layers over the workers' files."""
         reason_of: dict[str, str] = {}
-        for data in self._files():
+        for data in files:
             reason_of.update(data.get("layers", {}))
         counts: dict[tuple[str, str], int] = {}
         for reason in reason_of.values():
@@ -83,7 +88,8 @@ class SparseAttentionCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        sums = self.totals()
+        files = self._files()  # read once per scrape
+        sums = self.totals(files)
         visited = CounterMetricFamily(f"{PREFIX}_tiles_visited", "Row-tiles the sparse attention kernels visited",
                                       labels=["phase"])  # fmt: skip
         skipped = CounterMetricFamily(f"{PREFIX}_tiles_skipped", "Row-tiles the sparse attention kernels dropped",
@@ -95,7 +101,7 @@ class SparseAttentionCollector:
             ratio.add_metric([phase], s / v if v else 0.0)
         layers = GaugeMetricFamily(f"{PREFIX}_layers", "Attention layers served sparse, or kept dense and why",
                                    labels=["served", "reason"])  # fmt: skip
-        for (served, reason), count in sorted(self.layers().items()):
+        for (served, reason), count in sorted(self.layers(files).items()):
             layers.add_metric([served, reason], count)
         yield from (visited, skipped, ratio, layers)
 

@@ -47,6 +47,12 @@ def summarize_stats(stats: dict) -> dict:
     return totals
 
 
+def export_worker_metrics(model, totals: dict) -> None:
+    """This worker's file for /metrics (plugins/vllm/metrics.py): its per-phase totals and its layers."""
+    if exporting():
+        write_worker_totals(totals, layers=served_layers(model))
+
+
 def served_layers(model) -> dict[str, str]:
     """{attention layer name: "" when it runs sparse, else the first reason it is kept dense} (for /metrics)."""
     from .. import vllm as vllm_plugin
@@ -85,7 +91,7 @@ def install_for_serving(worker, settings: SparseAttentionSettings | None = None,
         return report
     if exporting():  # /metrics shows the layers from the start, not only after the first counter read
         model = worker_model(worker)
-        write_worker_totals(summarize_stats(vllm_plugin.get_sparsity_stats(model)), layers=served_layers(model))
+        export_worker_metrics(model, summarize_stats(vllm_plugin.get_sparsity_stats(model)))
     backends = sorted(set(report.native_impls.values()))
     logger.info(
         "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s; "
@@ -199,8 +205,7 @@ def _maybe_log_sparsity(worker) -> None:
 
     model = worker_model(worker)
     totals = summarize_stats(vllm_plugin.get_sparsity_stats(model))
-    if exporting():
-        write_worker_totals(totals, layers=served_layers(model))
+    export_worker_metrics(model, totals)
     if every and any(t["visited"] for t in totals.values()):
         logger.info(
             "sparse attention after %d steps: realized sparsity prefill %s, decode %s",
