@@ -13,8 +13,8 @@ Kernel level (`kernel`), per shape (SmolLM2's attention: 9 query heads, 3 KV hea
 of 128 tokens; prefill: one sequence with q_len == kv_len; decode: q_len == 1) and thread count:
 
 1. Writes structured K/V into a vLLM CPU cache with vLLM's own writer (`cpu_attn_reshape_and_cache`) in the ISA
-   the sparse builder serves (`vec`: K transposed per block and head, V rows) and reads it through the plugin's
-   zero-copy views; the native baseline gets its own cache in the ISA vLLM picks (`amx` for bf16 on AMX CPUs).
+   vLLM picks (`vec`: K transposed per block and head, V rows; `amx` for bf16 on AMX CPUs: AMX B tiles), which
+   both native and ours read in place (ours through the plugin's zero-copy views).
    Scores mix an attention sink, heavy-tailed per-key salience, a RoPE-like recency term and noise, so skipping
    is reachable.
 2. Finds λ for realized sparsity 0.5 and 0.7 with one calibration pass (many λ trials, dense) and reports the
@@ -118,15 +118,14 @@ class KernelCase:
         import torch
         from vllm import _custom_ops as ops
 
-        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import (
-            CPU_ISA_FOR_SPARSE,
-            _cpu_attn_kv_cache_views,
-        )
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import _cpu_attn_kv_cache_views
 
         self.ops = ops
-        # vLLM's choice for the native baseline (`amx` for bf16 on AMX CPUs); ours is the sparse builder's.
+        # vLLM's choice (`amx` for bf16 on AMX CPUs): the sparse layers read it in place, as the native kernel does.
+        # A `--baseline-rev` kernel from before the amx layout was read (2026-12-03) served such layers on `vec`.
         self.native_isa = native_cpu_isa(dtype)
-        self.our_isa = CPU_ISA_FOR_SPARSE.get(self.native_isa, self.native_isa)
+        self.our_isa = self.native_isa
+        self.baseline_isa = "vec" if self.native_isa == "amx" else self.native_isa
         if self.native_isa == "amx":
             torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
         self.phase, self.kv_len, self.batch, self.dtype = phase, kv_len, batch, dtype
@@ -157,6 +156,11 @@ class KernelCase:
         native_caches = self.caches if native_cache is cache else [native_cache.clone() for _ in range(copies)]
         self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in native_caches]
         self.our_views = [_cpu_attn_kv_cache_views(c, HEAD, self.our_isa) for c in self.caches]
+        self.baseline_views = self.our_views
+        if self.baseline_isa != self.our_isa:
+            base = written(self.baseline_isa)
+            self.baseline_views = [_cpu_attn_kv_cache_views(c, HEAD, self.baseline_isa)
+                                   for c in [base] + [base.clone() for _ in range(copies - 1)]]
         self.cu = torch.tensor([b * q_len for b in range(batch + 1)], dtype=torch.int32)
         self.seq_lens = torch.full((batch,), kv_len, dtype=torch.int32)
         self.out_native = torch.empty_like(self.q)
@@ -218,8 +222,8 @@ class KernelCase:
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
     def baseline(self, op, lam=None):
-        """The baseline kernel (`baseline_kernel`) on the same planned arguments and cache views."""
-        k, v = self.our_views[self._next()]
+        """The baseline kernel (`baseline_kernel`) on the same planned arguments and the cache layout it reads."""
+        k, v = self.baseline_views[self._next()]
         plan = self._planned(lam, None, False)
         op(self.q, k, v, self.block_table, self.cu, self.seq_lens, self.scale, plan["log_sf"], plan["gamma"],
            plan["prompt_lens"], plan["calibrate"], self.out_ours)  # fmt: skip

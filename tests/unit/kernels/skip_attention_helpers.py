@@ -21,7 +21,29 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS
 LAYOUTS = ("nhd", "nhd5", "hnd5", "packed", "cpu_t")
 """Cache layouts: plain NHD; NHD view of [blocks, 2, page, H, D]; HND-strided [blocks, 2, H, page, D];
 packed [blocks, H, page, 2D] split into K/V; vLLM-CPU style K transposed per (block, head) (last-dim stride = page).
+Also "cpu_amx" (bf16 only, page % 32 == 0): vLLM's CPU `amx` layout, K and V as AMX B tiles, as 6-D split views.
 """
+
+
+def amx_layout_views(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """6-D K/V views of a [blocks, H, page, 2D] cache in vLLM's CPU `amx` layout, written here from the measured
+    formulas (../shared/reference/cpu_amx_layout.md §3), independently of the plugin's views:
+    K(b,h,t,d) at (t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2 and V(b,h,t,d) at page*D + (d//16)*16*page + (t//2)*32
+    + (d%16)*2 + t%2 within block b, head h. Element (b, t, h, d) is K[b, t//16, t%16, h, d//2, d%2] and
+    V[b, t//2, t%2, h, d//16, d%16]."""
+    nb, h, page, d2 = c.shape
+    d = d2 // 2
+    sb, sh = c.stride(0), c.stride(1)
+    k = c.as_strided((nb, page // 16, 16, h, d // 2, 2), (sb, 16 * d, 2, sh, 32, 1))
+    v = c.as_strided((nb, page // 2, 2, h, d // 16, 16), (sb, 32, 1, sh, 16 * page, 2), page * d)
+    return k, v
+
+
+def logical(cache: torch.Tensor) -> torch.Tensor:
+    """[blocks, page, H, D] of a cache view (a copy for the 6-D split views)."""
+    if cache.dim() == 6:
+        return cache.reshape(cache.shape[0], cache.shape[1] * cache.shape[2], cache.shape[3], -1)
+    return cache
 
 
 @dataclass
@@ -80,6 +102,12 @@ def make_cache_views(k: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[tor
         kv = c[:, :, : page * d].reshape(nb, h, d, page).permute(0, 3, 1, 2)
         vv = c[:, :, page * d :].reshape(nb, h, page, d).transpose(1, 2)
         assert kv.stride(3) == page
+    elif layout == "cpu_amx":
+        c = torch.empty(nb, h, page, 2 * d, dtype=k.dtype)
+        kv, vv = amx_layout_views(c)
+        kv.copy_(k.reshape(nb, page // 16, 16, h, d // 2, 2))
+        vv.copy_(v.reshape(nb, page // 2, 2, h, d // 16, 16))
+        return kv, vv
     else:
         raise ValueError(layout)
     kv.copy_(k)
@@ -159,6 +187,7 @@ def make_case(
 
 def gather_dense(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[kv_len, H, D] float64 keys/values of one sequence, position by position through the block table."""
+    cache = logical(cache)
     page = cache.shape[1]
     pos = torch.arange(kv_len)
     return cache[pages[pos // page].long(), pos % page].to(torch.float64)
@@ -168,7 +197,7 @@ def dense_attention_f64(case: Case) -> torch.Tensor:
     """Plain float64 causal-suffix attention (no tiles): [total_q, Hq, D]."""
     total_q, hq, d = case.q.shape
     out = torch.zeros(total_q, hq, d, dtype=torch.float64)
-    group = hq // case.k_cache.shape[2]
+    group = hq // semantics.cache_geometry(case.k_cache)[2]
     for b in range(case.batch):
         q0, ql, kv = int(case.cu_seqlens_q[b]), case.q_lens[b], case.kv_lens[b]
         if ql == 0:
@@ -217,7 +246,7 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
     and counts every trial. `softcap` > 0: scores are cap·tanh(s / cap) before everything else.
     """
     total_q, hq, d = case.q.shape
-    group = hq // case.k_cache.shape[2]
+    group = hq // semantics.cache_geometry(case.k_cache)[2]
     if law is None and log_lams is not None:
         law = (log_lams.to(torch.float64).unsqueeze(-1).expand(-1, -1, 2), torch.zeros(case.batch, 2),
                default_prompt_lens(case))

@@ -371,3 +371,77 @@ def test_amx_rows_do_not_depend_on_chunking_or_batch(amx_tiles):
         total += c[0]
     assert torch.equal(total, counts[0])
 
+
+
+@pytest.fixture(params=[True, False], ids=["amx-tiles", "vector"])
+def bf16_path(request):
+    """Both bf16 paths: AMX tiles (where this CPU has them; skipped with the reason elsewhere) and the vector path."""
+    if request.param:
+        request.getfixturevalue("amx_tiles")
+    cpu_kernel.amx_tiles(request.param)
+    yield request.param
+    cpu_kernel.amx_tiles(True)
+
+
+def _poison_amx_case(case, page):
+    """NaN/inf in every slot past each sequence's kv_len (its last page) and in every page no sequence uses."""
+    k, v = case.k_cache, case.v_cache  # 6-D split views: (b, t, h, d) at [b, t // p2, t % p2, h, ...]
+    used = set()
+    for b, kv in enumerate(case.kv_lens):
+        used |= set(case.block_table[b, : math.ceil(kv / page)].tolist())
+    for b, kv in enumerate(case.kv_lens):
+        last = int(case.block_table[b, math.ceil(kv / page) - 1])
+        for t in range(kv % page or page, page):
+            k[last, t // 16, t % 16] = math.nan if t % 2 else math.inf
+            v[last, t // 2, t % 2] = math.inf if t % 2 else math.nan
+    for blk in set(range(k.shape[0])) - used:
+        k[blk] = math.nan
+        v[blk] = math.inf
+
+
+@pytest.mark.parametrize("d,page,hq,hkv", [(64, 32, 6, 2), (128, 64, 8, 1), (96, 32, 9, 3)],
+                         ids=["d64-p32", "d128-p64-mqa", "d96-gqa3"])  # fmt: skip
+def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
+    """vLLM's CPU `amx` layout (bf16 K/V stored as AMX B tiles; 6-D split views) read in place: counts equal the
+    oracle's, outputs within bf16 tolerance of the float64 oracle, dense and skipping, with NaN/inf in every slot
+    past kv_len and in unused pages; and bitwise the outputs of the same K/V in the `vec` layout ("cpu_t") on the
+    same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows."""
+    q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
+    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49)
+    case = make_case(q_lens, kv_lens, layout="cpu_amx", **kw)
+    vec = make_case(q_lens, kv_lens, layout="cpu_t", **kw)
+    assert case.k_cache.dim() == 6 and torch.equal(case.q, vec.q)
+    _poison_amx_case(case, page)
+    lam = safe_lambdas(vec, torch.tensor([0.05, 0.02, 0.1, 0.05, 0.3]))
+    ref = oracle(vec, log_lams_tensor(lam, case.batch))
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0
+    close(out, ref.out, torch.bfloat16)
+    out_vec, counts_vec = run(vec, "cpu", skip_threshold=lam, counts=True)
+    assert torch.equal(out, out_vec) and torch.equal(counts, counts_vec)
+    dense, _ = run(case, "cpu")
+    close(dense, dense_attention_f64(vec), torch.bfloat16)
+    assert torch.equal(dense, run(vec, "cpu")[0])
+    trials = safe_lambdas(vec, torch.tensor([1e-3, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    out_cal, cal = run(case, "cpu", trials=trials)
+    assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
+    assert torch.equal(out_cal, dense)
+
+
+def test_vllm_amx_cache_layout_in_the_reference_and_auto():
+    """The PyTorch reference reads the 6-D views too (bitwise what it computes on the `vec` layout: it gathers
+    the same logical K/V); `auto` takes the compiled kernel for them in bf16. 6-D views are the amx layout only:
+    float32 in that shape is refused by backend='cpu' with the reason, and `auto` computes it with the reference."""
+    kw = dict(hq=4, hkv=2, d=64, page=32, seed=50)
+    case = make_case([40, 1], [40, 100], layout="cpu_amx", dtype=torch.bfloat16, **kw)
+    vec = make_case([40, 1], [40, 100], layout="cpu_t", dtype=torch.bfloat16, **kw)
+    lam = safe_lambdas(vec, torch.tensor([0.05, 0.05]))
+    ref_amx, c_amx = run(case, "torch", skip_threshold=lam, counts=True)
+    ref_vec, c_vec = run(vec, "torch", skip_threshold=lam, counts=True)
+    assert torch.equal(ref_amx, ref_vec) and torch.equal(c_amx, c_vec)
+    assert api._resolve_backend("auto", case.q, case.k_cache) == "cpu"
+    f32 = make_case([40, 1], [40, 100], layout="cpu_amx", dtype=torch.float32, **kw)
+    assert "amx layout" in cpu_kernel.unsupported_reason(f32.q, f32.k_cache)
+    with pytest.raises(RuntimeError, match="amx layout"):
+        run(f32, "cpu")
+    close(run(f32, "auto")[0], dense_attention_f64(f32), torch.float32)

@@ -183,6 +183,8 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
         return f"the compiled CPU kernel runs on CPU tensors (got {q.device})"
     if q.dtype not in CPU_KERNEL_DTYPES:
         return f"the compiled CPU kernel covers {', '.join(str(d) for d in CPU_KERNEL_DTYPES)}, not {q.dtype}"
+    if k_cache.dim() == 6 and (q.dtype != torch.bfloat16 or tuple(k_cache.shape[i] for i in (2, 5)) != (16, 2)):
+        return "the compiled CPU kernel reads 6-D cache views only as vLLM's bf16 amx layout (K [.., 16, Hkv, .., 2])"
     return unavailable_reason()
 
 
@@ -211,8 +213,9 @@ def paged_skip_softmax_attention_cpu(
     """Compiled CPU backend (same arguments and result as the reference backend).
 
     q [total_q, Hq, D] and the [num_blocks, page, Hkv, D] cache views may have any strides; the cache is read in
-    place. `log_sf` [B, T, 2] float32 or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with
-    `calibrate` the output is dense and counts cover all T trials, else T == 1 and each row's drops are applied.
+    place, the 6-D views of vLLM's bf16 `amx` layout (`semantics.cache_geometry`) too. `log_sf` [B, T, 2] float32
+    or None (dense, no counts), `gamma` [B, 2], `prompt_lens` [B]; with `calibrate` the output is dense and counts
+    cover all T trials, else T == 1 and each row's drops are applied.
     `counts`: optional contiguous int64 [B, T, 2] buffer the kernel zeroes and fills (no allocation per call).
     `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax.
     `totals`: optional (phase index [>= B] int64, totals [phases, 2] int64): trial 0's counts of sequence b are also

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q, row_log_thresholds
+from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q, cache_geometry, row_log_thresholds
 
 # Upper bound on score elements materialised at once; bounds memory at long contexts.
 _MAX_SCORE_ELEMENTS = 1 << 24
@@ -34,10 +34,11 @@ def _ceil_to(x: int, m: int) -> int:
 def _gather(cache: torch.Tensor, pages: torch.Tensor, n_keys: int, dtype) -> torch.Tensor:
     """Keys (or values) 0..n_keys-1 of a batch of page lists: [B, n_keys, Hkv, D]; padding rows are zero.
 
-    `pages` is [B, P] (page ids, possibly padding); advanced indexing copies, so any cache strides work.
+    `pages` is [B, P] (page ids, possibly padding); advanced indexing copies, so any cache strides work, and the
+    6-D split views (`cache_geometry`) reshape to [B, n, Hkv, D] since their split axes are adjacent and in order.
     """
     batch = pages.shape[0]
-    page_size, hkv, d = cache.shape[1], cache.shape[2], cache.shape[3]
+    _, page_size, hkv, d = cache_geometry(cache)
     n_pages = min(pages.shape[1], (n_keys + page_size - 1) // page_size)
     idx = pages[:, :n_pages].long().clamp(0, cache.shape[0] - 1)
     x = cache[idx].to(dtype).reshape(batch, n_pages * page_size, hkv, d)
@@ -98,7 +99,7 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     """Sequences with one new row each (decode steps), batched: q [N, Hq, D]; pages [N, P]; kv_lens [N] int64;
     log_lams [N, T] or None. Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
     n, hq, d = q.shape
-    hkv = k_cache.shape[2]
+    hkv = cache_geometry(k_cache)[2]
     group = hq // hkv
     kv_pad = _ceil_to(int(kv_lens.max()), TILE_K)
     k = _gather(k_cache, pages, kv_pad, dtype)  # [N, kv_pad, Hkv, D]
@@ -202,7 +203,8 @@ def paged_skip_softmax_attention_reference(
     apply_skip = not calibrate
 
     single = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
-    per_key = k_cache.shape[2] * k_cache.shape[3]
+    _, _, hkv, d = cache_geometry(k_cache)
+    per_key = hkv * d
     start = 0
     while start < len(single):  # sub-batches bounded by gathered K size
         longest = 0

@@ -171,30 +171,43 @@ def as_trials_tensor(threshold_trials, batch: int, device) -> torch.Tensor | Non
     return trials.contiguous()
 
 
+def cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, page_size, Hkv, D) of a K or V cache view.
+
+    A view is `[num_blocks, page, Hkv, D]`, or 6-D `[num_blocks, page // p2, p2, Hkv, D // d2, d2]` with token
+    and dim axes split, element (b, t, h, d) at `[b, t // p2, t % p2, h, d // d2, d % d2]`: the only zero-copy views
+    of vLLM's CPU `amx` layout (K: p2 = 16, d2 = 2; V: p2 = 2, d2 = 16; ../shared/reference/cpu_amx_layout.md).
+    """
+    if cache.dim() == 6:
+        return cache.shape[0], cache.shape[1] * cache.shape[2], cache.shape[3], cache.shape[4] * cache.shape[5]
+    return cache.shape[0], cache.shape[1], cache.shape[2], cache.shape[3]
+
+
 def check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out) -> None:
     """Validate shapes and dtypes early, with errors that say what vLLM-style input is expected."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, Hq, D], got shape {tuple(q.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4:
+        if cache.dim() not in (4, 6):
             raise ValueError(
-                f"{name} must be a [num_blocks, page_size, Hkv, D] view (use the plugin's KV-cache view helpers), "
-                f"got shape {tuple(cache.shape)}"
+                f"{name} must be a [num_blocks, page_size, Hkv, D] view, or the 6-D split view of `cache_geometry` "
+                f"(use the plugin's KV-cache view helpers), got shape {tuple(cache.shape)}"
             )
         if cache.dtype in _FP8_DTYPES:
             raise NotImplementedError(
                 f"FP8 KV caches ({cache.dtype}) are not supported yet; serve with kv_cache_dtype='auto'"
             )
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+    if k_cache.dim() != v_cache.dim() or cache_geometry(k_cache) != cache_geometry(v_cache):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must hold the same "
+                         "[num_blocks, page_size, Hkv, D]")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported query dtype {q.dtype}; expected one of {SUPPORTED_DTYPES}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share one dtype")
     hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"head size mismatch: q has D={d}, the cache has D={k_cache.shape[3]}")
+    _, _, hkv, cache_d = cache_geometry(k_cache)
+    if cache_d != d:
+        raise ValueError(f"head size mismatch: q has D={d}, the cache has D={cache_d}")
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):

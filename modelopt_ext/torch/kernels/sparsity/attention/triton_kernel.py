@@ -450,6 +450,8 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     d = q.shape[-1]
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         return f"the Triton backend supports head sizes {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got D={d}; use backend='torch'"
+    if k_cache.dim() != 4:
+        return "the Triton backend reads [num_blocks, page, Hkv, D] cache views (not the CPU amx layout's 6-D ones)"
     page = k_cache.shape[1]
     if page < MIN_PAGE_SIZE or page & (page - 1):
         return f"the Triton backend needs a power-of-two page size >= {MIN_PAGE_SIZE}, got {page}; use backend='torch'"

@@ -182,10 +182,10 @@ def test_kernel_block_sizes_offered_to_vllm_are_the_covered_ones(vllm_config, mo
         assert select_common_block_size(48, [plug.ModelOptSparseFlashAttentionBackend]) == 16
 
 
-def test_cpu_builder_serves_amx_groups_on_vec_and_refuses_unreadable_isas(make_layer, vllm_config, monkeypatch):
-    """On a CPU with AMX tiles vLLM picks ISA 'amx' for bf16 (K/V in VNNI pairs: no [blocks, page, Hkv, D] view
-    reads it). The sparse builder sets 'vec' on its group through vLLM's own per-group ISA, so vLLM's cache writer,
-    scheduler metadata and dense forward use the layout the kernels read; a native group keeps 'amx'."""
+def test_cpu_builder_keeps_amx_groups_and_refuses_unreadable_isas(make_layer, vllm_config, monkeypatch):
+    """On a CPU with AMX tiles vLLM picks ISA 'amx' for bf16 (K/V as AMX B tiles). The kernels read that layout in
+    place (6-D views), so the sparse builder keeps vLLM's choice for its group: vLLM's cache writer, scheduler
+    metadata and dense forward stay vLLM's amx ones; an ISA whose layout no view reads is refused at start-up."""
     from vllm.v1.attention.backends import cpu_attn
 
     if not hasattr(cpu_attn, "_get_attn_isa"):
@@ -200,8 +200,8 @@ def test_cpu_builder_serves_amx_groups_on_vec_and_refuses_unreadable_isas(make_l
         pytest.skip(f"this vLLM picks {native_builder.isa!r} for bf16 on AMX (no 'amx' ISA)")
     assert dense.isa == "amx"  # vLLM's choice for a group without sparse layers, untouched
     builder = make_builder(vllm_config, [sparse], page=32)
-    assert builder.isa == "vec" and sparse.isa == "vec"  # what vLLM's writer and dense forward read
-    assert sparse.impl._modelopt_sparse.isa == "vec"  # the layout the sparse impl reads, decided at start-up
+    assert builder.isa == "amx" and sparse.isa == "amx"  # what vLLM's writer and dense forward use
+    assert sparse.impl._modelopt_sparse.isa == "amx"  # the layout the sparse impl reads, decided at start-up
 
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: "neon")  # ARM's ISA: its layout is not read
     with pytest.raises(ValueError, match=r"ISA 'neon': the kernels do not read.*MODELOPT_EXT_SPARSE_ATTN=0"):

