@@ -114,7 +114,7 @@ def native_cpu_isa(dtype) -> str:
 class KernelCase:
     """One shape: a vLLM CPU cache written by vLLM, its zero-copy views, native and ours callables."""
 
-    def __init__(self, phase: str, kv_len: int, batch: int, dtype, seed: int = 0):
+    def __init__(self, phase: str, kv_len: int, batch: int, dtype, seed: int = 0, baseline_isa: str | None = None):
         import torch
         from vllm import _custom_ops as ops
 
@@ -122,10 +122,11 @@ class KernelCase:
 
         self.ops = ops
         # vLLM's choice (`amx` for bf16 on AMX CPUs): the sparse layers read it in place, as the native kernel does.
-        # A `--baseline-rev` kernel from before the amx layout was read (2026-12-03) served such layers on `vec`.
+        # A `--baseline-rev` kernel from before the amx layout was read (982d7ca) served such layers on `vec`: pass
+        # `--baseline-isa vec` for those.
         self.native_isa = native_cpu_isa(dtype)
         self.our_isa = self.native_isa
-        self.baseline_isa = "vec" if self.native_isa == "amx" else self.native_isa
+        self.baseline_isa = baseline_isa or self.native_isa
         if self.native_isa == "amx":
             torch.cpu._init_amx()  # tile permission for vLLM's amx kernel in this process
         self.phase, self.kv_len, self.batch, self.dtype = phase, kv_len, batch, dtype
@@ -342,7 +343,7 @@ def run_kernel(args) -> list[dict]:
     print("per-call cost on a 64-key decode: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in overhead.items()))
     write_json(args.out, "call_overhead_s", overhead)
     for phase, kv_len, batch in shapes:
-        case = KernelCase(phase, kv_len, batch, dtype, seed=args.seed)
+        case = KernelCase(phase, kv_len, batch, dtype, seed=args.seed, baseline_isa=args.baseline_isa)
         case.set_threads(max(threads))
         lams = find_lambdas(case, TARGETS)
         diff = (case.ours().float() - case.native().float()).abs().max().item()
@@ -372,7 +373,7 @@ def run_kernel(args) -> list[dict]:
                 min_s={n: min(ts) for n, ts in runs.items()}, rounds=len(runs["native"]),
             )  # fmt: skip
             if base_op is not None:
-                rec["baseline"] = dict(rev=args.baseline_rev, dense_s=med["base_dense"],
+                rec["baseline"] = dict(rev=args.baseline_rev, isa=case.baseline_isa, dense_s=med["base_dense"],
                                        variants={f"s{t}": med[f"base_s{t}"] for t in TARGETS})  # fmt: skip
             records.append(rec)
             print(format_kernel_row(rec), flush=True)
@@ -688,6 +689,8 @@ def main(argv=None) -> int:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--baseline-rev", default=None, help="also time this git revision's compiled kernel (dense, "
                    "s≈0.5, s≈0.7), interleaved with today's: old/new time ratios per row")
+    k.add_argument("--baseline-isa", default=None, help="the CPU cache layout the baseline kernel reads (default: "
+                   "vLLM's choice, as ours; 'vec' for revisions before 982d7ca on AMX CPUs, which served bf16 on it)")
     k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     e = sub.add_parser("engine", help="engine level: SmolLM2 on vLLM's CPU engine, sparse vs dense native")
     e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
