@@ -111,7 +111,8 @@ def paged_skip_softmax_attention(
 
     Args:
         q: [total_q, Hq, D] packed queries (any strides).
-        k_cache, v_cache: [num_blocks, page_size, Hkv, D] views of the paged cache (any strides for "torch").
+        k_cache, v_cache: [num_blocks, page_size, Hkv, D] views of the paged cache (any strides for "torch"), or
+            the 6-D split views of vLLM's CPU `amx` layout (`semantics.cache_geometry`; "torch" and "cpu").
         block_table: [B, max_pages] int32 page ids per sequence.
         cu_seqlens_q: [B+1] int32 query offsets; seq_lens_k: [B] int32 key counts including the new tokens.
         softmax_scale: score scale (usually D ** -0.5).
