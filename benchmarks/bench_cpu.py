@@ -33,8 +33,9 @@ of 128 tokens; prefill: one sequence with q_len == kv_len; decode: q_len == 1) a
 
 Engine level (`engine`): SmolLM2 on vLLM's CPU engine (fp32, prefix caching off, one thread), a prompt of 4k / 8k
 tokens (prose and code held out from calibration) plus 64 generated tokens, dense native vs sparse at the
-checkpoint's calibrated target, in two long-lived engine processes driven alternately (interleaved), reporting
-wall time, the speedup and the realized sparsity per phase from the sparse engine's status RPC.
+checkpoint's calibrated target, in two long-lived engine processes driven alternately (interleaved, 3 runs each by
+default, `--repeats`), reporting the median wall time, the speedup and the realized sparsity per phase from the
+sparse engine's status RPC.
 
 Results go to --out: results.json (all records), table.md (what the README shows) and speedup.png.
 """
@@ -704,7 +705,8 @@ def main(argv=None) -> int:
     e.add_argument("--sources", type=lambda t: t.split(","), default=["prose", "code"])
     e.add_argument("--gen-tokens", type=int, default=64)
     e.add_argument("--batch", type=int, default=1, help="copies of each prompt per generate call (decode batch)")
-    e.add_argument("--repeats", type=int, default=1)
+    e.add_argument("--repeats", type=int, default=3, help="runs per engine, alternated; the median is reported (on "
+                   "shared 2-core machines single runs of one command differed by up to 1.5x)")
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype of both engines")
     e.add_argument("--kernel-backend", default="cpu", help="MODELOPT_EXT_SPARSE_ATTN_BACKEND of the sparse engine "
