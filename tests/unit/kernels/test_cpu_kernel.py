@@ -311,24 +311,50 @@ def test_where_it_cannot_build_auto_uses_the_reference_and_says_why_once(env, tm
     assert f"REASON the compiled CPU kernel {'is ' if env == 'switched_off' else ''}" in proc.stdout
 
 
-@pytest.fixture
-def amx_tiles():
-    """AMX tiles for bf16 where this CPU has them (skips with the reason elsewhere); restores the setting."""
-    if not cpu_kernel.amx_tiles():
-        flags = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+def _cpu_flags() -> str:
+    return Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+
+
+def use_bf16_engine(engine: str) -> None:
+    """Select what bf16 prefill items run on: "amx" (AMX tiles), "dot" (AVX512-BF16 VDPBF16PS on the same packed
+    pairs) or "vector" (fp32 FMAs); skips with the reason where this CPU or build cannot."""
+    cpu_kernel.amx_tiles(engine == "amx")
+    cpu_kernel.bf16_dot(engine == "dot")
+    if cpu_kernel.bf16_engine() == engine:
+        return
+    flags = _cpu_flags()
+    if engine == "amx":
         has = "amx_bf16" in flags and "amx_tile" in flags
         pytest.skip("AMX tiles unused: " + ("switched off or not granted by the OS" if has else
                                             "this CPU has no amx_tile/amx_bf16 flags"))  # fmt: skip
-    yield
-    cpu_kernel.amx_tiles(True)
+    pytest.skip("VDPBF16PS unused: " + ("switched off" if "avx512_bf16" in flags else
+                                        "this CPU has no avx512_bf16 flag"))  # fmt: skip
 
 
-@pytest.mark.parametrize("d,page,layout", [(64, 16, "cpu_t"), (128, 128, "cpu_t"), (32, 7, "cpu_t"), (96, 16, "nhd")],
-                         ids=["d64-p16", "d128-p128", "d32-p7-repacked", "d96-nhd"])  # fmt: skip
-def test_amx_tiles_bf16(amx_tiles, d, page, layout):
-    """bf16 on AMX tiles (Q·K and P·V as 16-row tiles, K and V interleaved into B tiles per tile): exact counts and
-    the float64 oracle's output at bf16 tolerance, dense and skipping, with stale NaN/inf past kv_len in the cache;
-    the vector path (AMX off) gives the same counts and an output within the same tolerance."""
+@pytest.fixture
+def bf16_engines():
+    """Lets a test switch bf16 engines (use_bf16_engine); restores the process's setting after it."""
+    before = (cpu_kernel.amx_tiles(), cpu_kernel.bf16_dot())
+    yield use_bf16_engine
+    cpu_kernel.amx_tiles(before[0])
+    cpu_kernel.bf16_dot(before[1])
+
+
+@pytest.fixture(params=["amx", "dot"], ids=["amx-tiles", "dot"])
+def packed_engine(request, bf16_engines):
+    """The packed bf16 paths: AMX tiles and VDPBF16PS (each skipped with the reason where this CPU lacks it)."""
+    bf16_engines(request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("d,page,layout", [(64, 16, "cpu_t"), (128, 128, "cpu_t"), (32, 7, "cpu_t"), (96, 16, "nhd"),
+                                           (80, 16, "cpu_t")],
+                         ids=["d64-p16", "d128-p128", "d32-p7-repacked", "d96-nhd", "d80-p16"])  # fmt: skip
+def test_packed_bf16_paths(packed_engine, bf16_engines, d, page, layout):
+    """bf16 on packed pairs (Q·K and P·V on AMX tiles or VDPBF16PS, K and V interleaved into B-tile pairs per tile):
+    exact counts and the float64 oracle's output at bf16 tolerance, dense and skipping, with stale NaN/inf past
+    kv_len in the cache; the fp32 vector path gives the same counts and an output within the same tolerance. A
+    head size of 80 is not a multiple of 32: AMX tiles leave it on the vector path, VDPBF16PS takes it."""
     q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
     case = make_case(q_lens, kv_lens, hq=6, hkv=2, d=d, page=page, layout=layout, dtype=torch.bfloat16, seed=47)
     for b, kv in enumerate(kv_lens):
@@ -339,22 +365,23 @@ def test_amx_tiles_bf16(amx_tiles, d, page, layout):
     lam = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.1, 0.05, 0.3]))
     ref = oracle(case, log_lams_tensor(lam, case.batch))
     results = {}
-    for amx in (True, False):
-        assert cpu_kernel.amx_tiles(amx) is amx
+    for engine in (packed_engine, "vector"):
+        bf16_engines(engine)
         out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
-        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, f"amx={amx}"
+        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, engine
         close(out, ref.out, torch.bfloat16)
         dense, _ = run(case, "cpu")
         close(dense, dense_attention_f64(case), torch.bfloat16)
-        results[amx] = out
-    assert not torch.equal(results[True], results[False]), "AMX on and off must take different paths"
+        results[engine] = out
+    if packed_engine == "dot" or d % 32 == 0:
+        assert not torch.equal(results[packed_engine], results["vector"]), "the two engines must take different paths"
 
 
-def test_amx_rows_do_not_depend_on_chunking_or_batch(amx_tiles):
-    """On AMX tiles a row's result does not depend on the other rows of its work item: a prompt alone or batched,
-    whole or in chunks, gives bitwise the same rows wherever the row's item runs on tiles in both runs (an item of
-    at least 16 (row, head) pairs: here every chunk of 8 rows or more). A one-row chunk runs on the vector path:
-    the same decisions (counts) and its row within bf16 rounding."""
+def test_packed_rows_do_not_depend_on_chunking_or_batch(packed_engine):
+    """On packed pairs (AMX tiles or VDPBF16PS) a row's result does not depend on the other rows of its work item: a
+    prompt alone or batched, whole or in chunks, gives bitwise the same rows wherever the row's item runs packed in
+    both runs (an item of at least 16 (row, head) pairs: here every chunk of 8 rows or more). A one-row chunk runs
+    on the vector path: the same decisions (counts) and its row within bf16 rounding."""
     case = make_case([300, 1, 40], [300, 120, 40], hq=4, hkv=2, d=64, page=16, layout="cpu_t", dtype=torch.bfloat16,
                      seed=48)  # fmt: skip
     lam = safe_lambdas(case, torch.tensor([0.05, 0.1, 0.2]))
@@ -373,14 +400,12 @@ def test_amx_rows_do_not_depend_on_chunking_or_batch(amx_tiles):
 
 
 
-@pytest.fixture(params=[True, False], ids=["amx-tiles", "vector"])
-def bf16_path(request):
-    """Both bf16 paths: AMX tiles (where this CPU has them; skipped with the reason elsewhere) and the vector path."""
-    if request.param:
-        request.getfixturevalue("amx_tiles")
-    cpu_kernel.amx_tiles(request.param)
-    yield request.param
-    cpu_kernel.amx_tiles(True)
+@pytest.fixture(params=["amx", "dot", "vector"], ids=["amx-tiles", "dot", "vector"])
+def bf16_path(request, bf16_engines):
+    """Every bf16 engine: AMX tiles, VDPBF16PS (where this CPU has them; skipped with the reason elsewhere) and the
+    fp32 vector path."""
+    bf16_engines(request.param)
+    return request.param
 
 
 def _poison_amx_case(case, page):

@@ -32,7 +32,9 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "MODELOPT_EXT_CPU_KERNEL"
-AMX_ENV = "MODELOPT_EXT_CPU_AMX"  # 0: bf16 stays on the vector path on CPUs with AMX tiles
+AMX_ENV = "MODELOPT_EXT_CPU_AMX"  # 0: bf16 stays off AMX tiles on CPUs with them
+DOT_ENV = "MODELOPT_EXT_CPU_BF16_DOT"  # 0: bf16 prefill stays on the fp32 vector path where AMX tiles are not used
+_OFF = ("0", "false", "no", "off")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -134,8 +136,10 @@ def _build():
     if not cached:
         logger.info("built the CPU skip-softmax kernel in %.1f s", time.perf_counter() - start)
     ops = torch.ops.modelopt_ext_cpu
-    if os.environ.get(AMX_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(AMX_ENV, "1").strip().lower() in _OFF:
         ops.amx_tiles(False)
+    if os.environ.get(DOT_ENV, "1").strip().lower() in _OFF:
+        ops.bf16_dot(False)
     return ops.skip_softmax_attention
 
 
@@ -146,7 +150,7 @@ def _load():
     with _lock:
         if "op" in _state or "reason" in _state:
             return _state.get("op"), _state.get("reason")
-        if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        if os.environ.get(DISABLE_ENV, "1").strip().lower() in _OFF:
             _state["reason"] = f"the compiled CPU kernel is switched off ({DISABLE_ENV}=0)"
         else:
             try:
@@ -175,6 +179,23 @@ def amx_tiles(enable: bool | None = None) -> bool:
     if _load()[0] is None:
         return False
     return bool(torch.ops.modelopt_ext_cpu.amx_tiles(enable))
+
+
+def bf16_dot(enable: bool | None = None) -> bool:
+    """Whether bf16 prefill can run Q·K and P·V on AVX512-BF16 dot products (VDPBF16PS) where AMX tiles are not
+    used (compiled for this CPU, not switched off by `MODELOPT_EXT_CPU_BF16_DOT=0`); `enable` switches it on or off
+    for this process first."""
+    if _load()[0] is None:
+        return False
+    return bool(torch.ops.modelopt_ext_cpu.bf16_dot(enable))
+
+
+def bf16_engine() -> str:
+    """What bf16 prefill items run on here: "amx" (AMX tiles), "dot" (VDPBF16PS) or "vector" (fp32 FMAs); decode
+    rows and head sizes the packed path does not take stay on the vector path (docs/design.md)."""
+    if amx_tiles():
+        return "amx"
+    return "dot" if bf16_dot() else "vector"
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:

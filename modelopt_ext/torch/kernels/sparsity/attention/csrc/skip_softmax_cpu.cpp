@@ -43,6 +43,13 @@
 #include <unistd.h>
 #endif
 
+// bf16 pairs: K and V interleaved into "VNNI" pairs (two consecutive elements of the reduction axis side by side),
+// the operand layout of AMX tiles and of AVX512-BF16's VDPBF16PS. Compiled where -march=native has AVX512-BF16
+// (every AMX CPU, and CPUs without tiles such as AMD Zen 4/5 and Intel Cooper Lake).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define MODELOPT_EXT_BF16_PAIRS 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -108,10 +115,24 @@ bool amx_permitted() {
 // Whether bf16 calls use AMX tiles: compiled in, granted by the OS and not switched off.
 bool amx_active() { return g_amx_enabled.load(std::memory_order_relaxed) && amx_permitted(); }
 
+// The same bf16 pairs on CPUs without tiles: VDPBF16PS (AVX512-BF16) adds a 32-bit pair of A times 16 pairs of B
+// into 16 fp32 lanes, two products per lane and instruction where the fp32 path converts each bf16 and issues one
+// FMA per product. Used for bf16 items on the packed path when AMX tiles are not (compiled in and not switched off).
+std::atomic<bool> g_dot_enabled{true};
+
+bool dot_active() {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
+  return g_dot_enabled.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 // Work items with fewer (row, head) pairs than one tile's 16 rows (decode: a GQA group) stay on the vector path:
 // there a tile's few rows cannot hide the K/V memory stream (measured: decode 8k 1.4x slower on tiles), while
 // prefill items (48 pairs) run 2x faster on tiles. The decisions of a row are the same on both paths up to float
-// rounding of its scores (docs/skip_softmax.md "Precision").
+// rounding of its scores (docs/skip_softmax.md "Precision"). The packed path without tiles (VDPBF16PS) keeps the
+// same threshold, so a row takes the same path with either engine.
 constexpr int kAmxMinRows = 16;
 
 #if defined(MODELOPT_EXT_AMX)
@@ -133,7 +154,9 @@ inline void amx_configure() {
   }
   _tile_loadconfig(&cfg);
 }
+#endif
 
+#if defined(MODELOPT_EXT_BF16_PAIRS)
 // 32 bf16 interleaved from 16 of a and 16 of b: (a0, b0, a1, b1, ...), one VNNI row of a B tile.
 inline void interleave16(const uint16_t* a, const uint16_t* b, uint16_t* dst) {
   alignas(64) static const uint16_t kIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -522,6 +545,131 @@ inline void pv_vnni_rows(float* const* p, float* const* o, int rows, const uint1
   if (rows > r) pv_vnni_tail<kPvRows - 1>(p + r, o + r, rows - r, v, nj, D, page);
 }
 
+#if defined(MODELOPT_EXT_BF16_PAIRS)
+// ---------------------------------------------------------------------------------------------------------------
+// The packed bf16 path on vectors (CPUs with AVX512-BF16 but no AMX tiles): the same operands as the AMX tiles —
+// bf16 Q rows, the tile's K as four 16-key groups of dimension pairs, P rows rounded to bf16, V as 32-key steps of
+// key pairs per 16-dim tile — with VDPBF16PS in place of TDPBF16PS. A row's scores and output depend on its own
+// operands only (batch and chunk invariance, as on tiles).
+// ---------------------------------------------------------------------------------------------------------------
+// Two consecutive bf16 at p broadcast as one 32-bit pair to every lane: the A operand of VDPBF16PS.
+inline __m512bh pair_splat(const uint16_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return (__m512bh)_mm512_set1_epi32(x);
+}
+
+inline __m512bh load_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// S[r][0 .. 63] (row stride kTileK) = Q[r] · K for R rows of bf16 Q (stride D) against the tile's four 16-key
+// groups ([D/2][16][2] each): 4 R accumulators, one VDPBF16PS per row, group and dimension pair.
+template <int R>
+inline void qk_dot_kernel(const uint16_t* q, int D, const uint16_t* const* grp, float* s) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+  }
+  for (int rp = 0; rp < D / 2; ++rp) {
+    __m512bh k[4];
+    for (int g = 0; g < 4; ++g) k[g] = load_pairs(grp[g] + 32 * rp);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qa = pair_splat(q + r * D + 2 * rp);
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qa, k[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kTileK + 16 * g, acc[r][g]);
+  }
+}
+
+template <int R>
+inline void qk_dot_tail(const uint16_t* q, int D, int rows, const uint16_t* const* grp, float* s) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      qk_dot_kernel<R>(q, D, grp, s);
+    } else {
+      qk_dot_tail<R - 1>(q, D, rows, grp, s);
+    }
+  }
+}
+
+// Scores of `rows` rows against a packed K tile; the prefetch list is spread over the row blocks.
+inline void qk_dot_rows(const uint16_t* q, int D, int rows, const uint16_t* const* grp, float* s,
+                        const char* const* pf, int npf) {
+  constexpr int kRows = kAccumulators / 4;
+  const int n_blocks = (rows + kRows - 1) / kRows;
+  for (int r = 0, i = 0; r < rows; r += kRows, ++i) {
+    for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(pf[j], 0, 3);
+    if (r + kRows <= rows) {
+      qk_dot_kernel<kRows>(q + r * D, D, grp, s + r * kTileK);
+    } else {
+      qk_dot_tail<kRows - 1>(q + r * D, D, rows - r, grp, s + r * kTileK);
+    }
+  }
+}
+
+// O[r][d0 .. d0 + 16·NT - 1] += P[r] · V for R rows: P as bf16 rows of pp (stride kTileK), V as `n_steps` 32-key
+// steps (step ks: 16-dim tile i at step[ks] + i·step_dt[ks], 16 key-pair rows of 64 bytes); the last step's first
+// `last_pairs` pairs (the later ones hold zero V and zero P).
+template <int R, int NT>
+inline void pv_dot_block(const uint16_t* pp, float* const* o, int d0, int n_steps, int last_pairs,
+                         const uint16_t* const* step, const int64_t* step_dt) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NT; ++x) acc[r][x] = _mm512_loadu_ps(o[r] + d0 + 16 * x);
+  }
+  for (int ks = 0; ks < n_steps; ++ks) {
+    const int64_t dt = step_dt[ks];
+    const uint16_t* b = step[ks] + (d0 / 16) * dt;
+    const int pairs = ks + 1 < n_steps ? 16 : last_pairs;
+    for (int pr = 0; pr < pairs; ++pr) {
+      __m512bh v[NT];
+      for (int x = 0; x < NT; ++x) v[x] = load_pairs(b + x * dt + 32 * pr);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pa = pair_splat(pp + r * kTileK + 32 * ks + 2 * pr);
+        for (int x = 0; x < NT; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pa, v[x]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int x = 0; x < NT; ++x) _mm512_storeu_ps(o[r] + d0 + 16 * x, acc[r][x]);
+  }
+}
+
+template <int R>
+inline void pv_dot_kernel(const uint16_t* pp, float* const* o, int D, int n_steps, int last_pairs,
+                          const uint16_t* const* step, const int64_t* step_dt) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_dot_block<R, 4>(pp, o, d0, n_steps, last_pairs, step, step_dt);
+  for (; d0 < D; d0 += 16) pv_dot_block<R, 1>(pp, o, d0, n_steps, last_pairs, step, step_dt);  // D % 16 == 0
+}
+
+template <int R>
+inline void pv_dot_tail(const uint16_t* pp, float* const* o, int rows, int D, int n_steps, int last_pairs,
+                        const uint16_t* const* step, const int64_t* step_dt) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      pv_dot_kernel<R>(pp, o, D, n_steps, last_pairs, step, step_dt);
+    } else {
+      pv_dot_tail<R - 1>(pp, o, rows, D, n_steps, last_pairs, step, step_dt);
+    }
+  }
+}
+
+inline void pv_dot_rows(const uint16_t* pp, float* const* o, int rows, int D, int n_steps, int last_pairs,
+                        const uint16_t* const* step, const int64_t* step_dt) {
+  constexpr int kRows = kAccumulators / 4;
+  int r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    pv_dot_kernel<kRows>(pp + static_cast<size_t>(r) * kTileK, o + r, D, n_steps, last_pairs, step, step_dt);
+  }
+  if (rows > r) {
+    pv_dot_tail<kRows - 1>(pp + static_cast<size_t>(r) * kTileK, o + r, rows - r, D, n_steps, last_pairs, step,
+                           step_dt);
+  }
+}
+#endif
+
 struct Params {
   int64_t B, Hq, Hkv, D, group, page, nblocks, P, T;
   const int32_t* bt;
@@ -545,7 +693,8 @@ struct Params {
   bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
-  bool amx;  // bf16 with AMX tiles (head size % 32 == 0): Q·K and P·V of items of >= kAmxMinRows pairs on tiles
+  bool packed;  // bf16 on packed pairs (AMX tiles, or VDPBF16PS): Q·K and P·V of items of >= kAmxMinRows pairs
+  bool tiles;   // the packed path runs on AMX tiles (head size % 32 == 0); else on VDPBF16PS (head size % 16 == 0)
   bool vnni;  // vLLM's `amx` cache layout (bf16): k/v point at the K and V regions, sk0/sv0 = block stride,
               // sk2/sv2 = head stride; K groups and V pair rows are read in place (see vnni_split)
 };
@@ -572,7 +721,7 @@ struct Scratch {
   // AMX: Q rows as bf16 (16 rows of padding), the tile's K and V as B tiles, P rows as bf16, one P·V result tile.
   std::vector<uint16_t> qb, kpack, vpack, ppack;
   std::vector<float> ctmp;
-  bool amx;       // this item runs on AMX tiles
+  bool packed;    // this item runs on packed bf16 pairs (AMX tiles or VDPBF16PS: Params::tiles)
   int slot_rows;  // rows per score slot: on tiles M + 16, so a 16-row tile starting at any row stays in its slot
   int n_kept[2], j_end[2];
   int k_tile[2];  // AMX: the tile whose K each kpack buffer holds (-1: none)
@@ -599,8 +748,8 @@ class Kernel {
     const int64_t offset = kv_len - q_len;
     const int n_trials = static_cast<int>(p.T);
     sc.q.resize(static_cast<size_t>(M) * D);
-    sc.amx = p.amx && M >= kAmxMinRows;
-    sc.slot_rows = sc.amx ? M + 16 : M;
+    sc.packed = p.packed && M >= kAmxMinRows;
+    sc.slot_rows = sc.packed ? M + 16 : M;
     sc.s.resize(static_cast<size_t>(2) * sc.slot_rows * kTileK);
     sc.kept_g.resize(static_cast<size_t>(2) * M);
     sc.g.resize(M);
@@ -636,7 +785,7 @@ class Kernel {
       if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
     }
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (sc.amx) prepare_amx(it, sc, M);
+      if (sc.packed) prepare_packed(it, sc, M);
     }
 
     const int32_t last_pos = static_cast<int32_t>(offset + it.r1 - 1);
@@ -666,14 +815,14 @@ class Kernel {
       const int npf = prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D);
       stage_scores(it, sc, t, slot, M, first_pos, npf);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (sc.amx && t + 1 < t_end) pack_k_amx(it, sc, t + 1);
+        if (sc.packed && t + 1 < t_end) pack_k_pairs(it, sc, t + 1);
       }
       if (pending >= 0) stage_values(sc, pending, D);
       pending = sc.n_kept[slot] > 0 ? slot : -1;
     }
     if (pending >= 0) stage_values(sc, pending, D);
 #if defined(MODELOPT_EXT_AMX)
-    if (sc.amx) _tile_release();
+    if (sc.packed && p.tiles) _tile_release();
 #endif
 
     if (p.log_sf != nullptr) {
@@ -802,13 +951,20 @@ class Kernel {
     const float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
     const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (sc.amx) {
-        const int n_steps = pack_v_amx(sc, vrow, sc.j_end[slot], slot);  // before the exp loop: see run_item
+      if (sc.packed) {
+        const int n_steps = pack_v_pairs(sc, vrow, sc.j_end[slot], slot);  // before the exp loop: see run_item
         uint16_t* pp = sc.ppack.data();
         for (int i = 0; i < n_kept; ++i) {
           const int m = kept_m[i];
           online_softmax_row(sc, m, sbase + static_cast<size_t>(m) * kTileK, kept_g[i], D, pp + static_cast<size_t>(i) * kTileK);
           sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
+        }
+        if (!p_.tiles) {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
+          const int last_pairs = (sc.j_end[slot] - 32 * (n_steps - 1) + 1) / 2;
+          pv_dot_rows(pp, sc.orow.data(), n_kept, D, n_steps, last_pairs, sc.vstep[slot], sc.vstep_dt[slot]);
+#endif
+          return;
         }
         const int padded = (n_kept + 15) / 16 * 16;
         if (padded > n_kept) std::memset(pp + static_cast<size_t>(n_kept) * kTileK, 0, sizeof(uint16_t) * kTileK * (padded - n_kept));
@@ -861,7 +1017,7 @@ class Kernel {
         }
       }
     }
-    if (sc.amx && pending_slot >= 0 && p.v_direct) {
+    if (sc.packed && pending_slot >= 0 && p.v_direct) {
       const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + pending_slot * kTileK;
       const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
       for (int j = 0; j < sc.j_end[pending_slot]; ++j) {
@@ -941,12 +1097,20 @@ class Kernel {
     // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
     // (decode, a GQA group): 32 keys where the page allows (8 lanes: 3 x 4; 16 lanes: 12 x 2), else 16.
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (sc.amx) {  // Q·K in 16-row blocks, prefetches spread over them
-        if (sc.k_tile[t & 1] != t) pack_k_amx(it, sc, t);
-        const int n_blocks = (M - m_lo + 15) / 16;
-        for (int r = m_lo, i = 0; r < M; r += 16, ++i) {
-          for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(sc.pf[j], 0, 3);
-          qk_block_amx(sc, r, t & 1, sbase + static_cast<size_t>(r) * kTileK);
+      if (sc.packed) {  // Q·K in row blocks (16 on tiles, 6 on VDPBF16PS), prefetches spread over them
+        if (sc.k_tile[t & 1] != t) pack_k_pairs(it, sc, t);
+        if (p_.tiles) {
+          const int n_blocks = (M - m_lo + 15) / 16;
+          for (int r = m_lo, i = 0; r < M; r += 16, ++i) {
+            for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(sc.pf[j], 0, 3);
+            qk_block_amx(sc, r, t & 1, sbase + static_cast<size_t>(r) * kTileK);
+          }
+        } else {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
+          const int D = static_cast<int>(p_.D);
+          qk_dot_rows(sc.qb.data() + static_cast<size_t>(m_lo) * D, D, M - m_lo, sc.kgrp[t & 1],
+                      sbase + static_cast<size_t>(m_lo) * kTileK, sc.pf.data(), npf);
+#endif
         }
         finish_scores(it, sc, t, m_lo, M, sbase + static_cast<size_t>(m_lo) * kTileK);
         return;
@@ -1046,9 +1210,9 @@ class Kernel {
   // The factor the exp pass applies to the stored scores: the softmax scale, or 1 where finish_scores scaled them.
   float exp_scale() const { return p_.softcap > 0.f ? 1.f : p_.scale; }
 
-  // bf16 Q rows of the item (raw bits) with 16 zero rows of padding, the tile configuration of this thread.
-  void prepare_amx(const Item& it, Scratch& sc, int M) const {
-#if defined(MODELOPT_EXT_AMX)
+  // bf16 Q rows of the item (raw bits) with 16 zero rows of padding; on AMX the tile configuration of this thread.
+  void prepare_packed(const Item& it, Scratch& sc, int M) const {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
     const Params& p = p_;
     const int group = static_cast<int>(p.group), D = static_cast<int>(p.D);
     sc.qb.assign(static_cast<size_t>(M + 16) * D, 0);
@@ -1067,7 +1231,9 @@ class Kernel {
         for (int d = 0; d < D; ++d) dst[d] = src[d * p.sq2];
       }
     }
-    amx_configure();
+#if defined(MODELOPT_EXT_AMX)
+    if (p.tiles) amx_configure();
+#endif
 #else
     (void)it, (void)sc, (void)M;
 #endif
@@ -1075,8 +1241,8 @@ class Kernel {
 
   // K of tile t as B tiles in buffer t & 1: each 16-key group interleaved by dimension pairs (kpack: [buffer]
   // [group][D/2][16][2]); a group that starts at or past kv_len is zeros (its scores are masked after).
-  void pack_k_amx(const Item& it, Scratch& sc, int t) const {
-#if defined(MODELOPT_EXT_AMX)
+  void pack_k_pairs(const Item& it, Scratch& sc, int t) const {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     const int64_t kv_len = p.kvlen[it.b];
@@ -1153,8 +1319,8 @@ class Kernel {
   // >= nj are zeros, so unread rows never meet a zero probability). Returns the number of 32-key steps; their B
   // tiles go to sc.vstep[slot] (base, dim tile stride). On the `amx` layout the cache holds them already: a step
   // whose 32 keys are all read is used in place, only a partial step is copied (its keys >= nj as zeros).
-  int pack_v_amx(Scratch& sc, const T* const* vrow, int nj, int slot) const {
-#if defined(MODELOPT_EXT_AMX)
+  int pack_v_pairs(Scratch& sc, const T* const* vrow, int nj, int slot) const {
+#if defined(MODELOPT_EXT_BF16_PAIRS)
     const int n_steps = (nj + 31) / 32;
     const int dtiles = static_cast<int>(p_.D) / 16;
     uint16_t* vpack = sc.vpack.data();
@@ -1260,7 +1426,7 @@ class Kernel {
     const vf sv = splat(exp_scale());
     vf sum = splat(0.f);
     if constexpr (std::is_same_v<P, uint16_t>) {
-#if defined(MODELOPT_EXT_AMX)
+#if defined(MODELOPT_EXT_BF16_PAIRS)
       for (int j = 0; j < kTileK; j += 2 * kLanes) {
         const vf e0 = vexp(loadv(s + j) * sv - mv), e1 = vexp(loadv(s + j + kLanes) * sv - mv);
         sum += e0 + e1;
@@ -1313,7 +1479,7 @@ template <typename T>
 void run(const Params& p) {
   Kernel<T> kernel(p);
   const int64_t group = p.group;
-  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, (p.amx ? kAmxTargetRows : kTargetRows) / group));
+  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, (p.packed ? kAmxTargetRows : kTargetRows) / group));
   std::vector<Item> items;
   struct Merge {
     int32_t b, kvh, r0, r1, n_splits;
@@ -1481,7 +1647,9 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
   p.k_direct = !vnni && p.sk1 == 1 && p.page % p.kc == 0;
   p.v_direct = !vnni && p.sv3 == 1;
-  p.amx = q.scalar_type() == at::kBFloat16 && p.D % 32 == 0 && amx_active();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  p.tiles = bf16 && p.D % 32 == 0 && amx_active();
+  p.packed = p.tiles || (bf16 && p.D % 16 == 0 && dot_active());
 
   at::Tensor counts;
   at::Tensor log_sf_c, gamma_c;
@@ -1551,6 +1719,13 @@ bool amx_tiles(std::optional<bool> enable) {
   return amx_active();
 }
 
+// Whether bf16 calls can run the packed path on VDPBF16PS (where AMX tiles are not used); `enable` switches it on or
+// off for the process first.
+bool bf16_dot(std::optional<bool> enable) {
+  if (enable.has_value()) g_dot_enabled.store(*enable, std::memory_order_relaxed);
+  return dot_active();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modelopt_ext_cpu, m) {
@@ -1559,6 +1734,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
       "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, float softcap=0.0) -> Tensor");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
+  m.def("bf16_dot(bool? enable=None) -> bool", &bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }
