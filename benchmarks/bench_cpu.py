@@ -569,6 +569,13 @@ def cpu_flags() -> list[str]:
     return [f for f in wanted if f in have]
 
 
+def bf16_engine() -> str:
+    """What our kernel runs bf16 prefill on here: "amx", "dot" (AVX512-BF16) or "vector" (docs/design.md)."""
+    from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+
+    return cpu_kernel.bf16_engine() if cpu_kernel.available() else "unavailable"
+
+
 def write_json(out: Path, key: str, records: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
@@ -576,7 +583,8 @@ def write_json(out: Path, key: str, records: list[dict]) -> None:
     data[key] = records
     data.setdefault("machine", {})
     data["machine"] = dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
-                           cpus=os.cpu_count(), model=cpu_model(), flags=cpu_flags())  # fmt: skip
+                           cpus=os.cpu_count(), model=cpu_model(), flags=cpu_flags(),
+                           bf16_engine=bf16_engine())  # fmt: skip
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
