@@ -340,6 +340,29 @@ def bf16_engines():
     cpu_kernel.bf16_dot(before[1])
 
 
+ENGINE_SCRIPT = """
+from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+print("ENGINE", cpu_kernel.bf16_engine(), cpu_kernel.bf16_dot())
+"""
+
+
+@pytest.mark.parametrize("off", [("MODELOPT_EXT_CPU_AMX",), ("MODELOPT_EXT_CPU_AMX", "MODELOPT_EXT_CPU_BF16_DOT")],
+                         ids=["amx-off", "amx-and-dot-off"])  # fmt: skip
+def test_bf16_engine_switches_from_the_environment(off):
+    """`MODELOPT_EXT_CPU_AMX=0` leaves bf16 prefill to VDPBF16PS where the CPU has AVX512-BF16 (else the fp32 vector
+    path); with `MODELOPT_EXT_CPU_BF16_DOT=0` too it runs the fp32 vector path everywhere. A fresh process, as a
+    user starts one."""
+    if not cpu_kernel.available():
+        pytest.skip(f"compiled CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
+    env = {**os.environ, "MODELOPT_EXT_CPU_BF16_DOT": "1", **{name: "0" for name in off}}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE"))
+    dot = "avx512_bf16" in _cpu_flags() and "MODELOPT_EXT_CPU_BF16_DOT" not in off
+    assert line.split()[1:] == (["dot", "True"] if dot else ["vector", "False"])
+
+
 @pytest.fixture(params=["amx", "dot"], ids=["amx-tiles", "dot"])
 def packed_engine(request, bf16_engines):
     """The packed bf16 paths: AMX tiles and VDPBF16PS (each skipped with the reason where this CPU lacks it)."""
