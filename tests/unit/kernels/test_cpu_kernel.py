@@ -28,6 +28,7 @@ from skip_attention_helpers import (
     oracle,
     quantile_lambda,
     safe_lambdas,
+    safe_log_lambda,
 )
 from test_skip_softmax_semantics import (
     assert_close64,
@@ -429,6 +430,24 @@ def bf16_path(request, bf16_engines):
     fp32 vector path."""
     bf16_engines(request.param)
     return request.param
+
+
+def test_bf16_softcap_on_every_engine(bf16_path):
+    """Logit soft-capping in bf16 on each engine (the packed engines cap their scores in the shared mask pass):
+    counts equal the float64 oracle's on the capped scores, outputs within bf16 tolerance, and the cap changes
+    the decisions."""
+    cap = 2.5
+    case = make_case([70, 1, 1, 3], [200, 2300, 90, 3], hq=4, hkv=2, d=32, page=16, dtype=torch.bfloat16, seed=51,
+                     spread=2.0)  # fmt: skip
+    stats = oracle(case, None, softcap=cap).tile_stats
+    log_lams = torch.tensor([[safe_log_lambda(-0.7, stats[b])] for b in range(case.batch)], dtype=torch.float64)
+    expected = oracle(case, log_lams, softcap=cap)
+    out, counts = run(case, "cpu", skip_threshold=log_lams[:, 0].exp().float(), counts=True, logits_soft_cap=cap)
+    assert torch.equal(counts, expected.counts) and counts[..., 1].sum() > 0
+    close(out, expected.out, torch.bfloat16)
+    assert not torch.equal(oracle(case, log_lams).counts, expected.counts), "capped scores must drop other tiles"
+    dense, _ = run(case, "cpu", logits_soft_cap=cap)
+    close(dense, oracle(case, None, softcap=cap).out, torch.bfloat16)
 
 
 def _poison_amx_case(case, page):
