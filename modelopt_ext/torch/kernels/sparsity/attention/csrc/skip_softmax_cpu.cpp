@@ -545,6 +545,12 @@ inline void pv_vnni_rows(float* const* p, float* const* o, int rows, const uint1
   if (rows > r) pv_vnni_tail<kPvRows - 1>(p + r, o + r, rows - r, v, nj, D, page);
 }
 
+// Row block i of n_blocks prefetches its share of the list pf[0 .. npf - 1], so the memory requests of a tile are
+// spread over its row blocks (AMX tiles and VDPBF16PS).
+inline void prefetch_share(const char* const* pf, int npf, int i, int n_blocks) {
+  for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(pf[j], 0, 3);
+}
+
 #if defined(MODELOPT_EXT_BF16_PAIRS)
 // ---------------------------------------------------------------------------------------------------------------
 // The packed bf16 path on vectors (CPUs with AVX512-BF16 but no AMX tiles): the same operands as the AMX tiles —
@@ -599,7 +605,7 @@ inline void qk_dot_rows(const uint16_t* q, int D, int rows, const uint16_t* cons
   constexpr int kRows = kAccumulators / 4;
   const int n_blocks = (rows + kRows - 1) / kRows;
   for (int r = 0, i = 0; r < rows; r += kRows, ++i) {
-    for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(pf[j], 0, 3);
+    prefetch_share(pf, npf, i, n_blocks);
     if (r + kRows <= rows) {
       qk_dot_kernel<kRows>(q + r * D, D, grp, s + r * kTileK);
     } else {
@@ -1102,7 +1108,7 @@ class Kernel {
         if (p_.tiles) {
           const int n_blocks = (M - m_lo + 15) / 16;
           for (int r = m_lo, i = 0; r < M; r += 16, ++i) {
-            for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(sc.pf[j], 0, 3);
+            prefetch_share(sc.pf.data(), npf, i, n_blocks);
             qk_block_amx(sc, r, t & 1, sbase + static_cast<size_t>(r) * kTileK);
           }
         } else {
