@@ -1534,9 +1534,14 @@ void run(const Params& p) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
-    static thread_local Scratch sc;
+    static thread_local Scratch tls_scratch;
+    // The buffers are reached through a pointer the compiler cannot see through: otherwise GCC specialises run_item
+    // and its callees for the thread_local object and calls __tls_get_addr (after a vzeroupper) on each access to
+    // it, once per row and tile in the score pass (fp32 prefill 5-17 % faster without).
+    Scratch* sc = &tls_scratch;
+    asm volatile("" : "+r"(sc));
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) kernel.run_item(items[i], sc, ws.data());
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) kernel.run_item(items[i], *sc, ws.data());
     }
   });
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
