@@ -69,8 +69,9 @@ constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (1
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kFewRows = 4;  // items of at most this many rows (decode: one GQA group) run Q·K in 32-key blocks
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
-constexpr int kAmxTargetRows = 512;  // on AMX tiles: K and V are interleaved once per item and tile, so more rows
-                                     // (measured 1.06-1.22x faster bf16 prefill than 256 on the AMX machine)
+// (row, head) pairs per item on the packed bf16 path (AMX tiles, VDPBF16PS): K and V are interleaved once per item and
+// tile, so more rows (measured 1.06-1.22x faster bf16 prefill than 256 on the AMX machine)
+constexpr int kPackedTargetRows = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Vector width: 16 floats where the machine has AVX-512 (32 vector registers), else 8 (AVX2: 16 registers). The
@@ -134,7 +135,7 @@ bool dot_active() {
 // prefill items (48 pairs) run 2x faster on tiles. The decisions of a row are the same on both paths up to float
 // rounding of its scores (docs/skip_softmax.md "Precision"). The packed path without tiles (VDPBF16PS) keeps the
 // same threshold, so a row takes the same path with either engine.
-constexpr int kAmxMinRows = 16;
+constexpr int kPackedMinRows = 16;
 
 #if defined(MODELOPT_EXT_AMX)
 struct alignas(64) TileConfig {
@@ -702,7 +703,7 @@ struct Params {
   bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
-  bool packed;  // bf16 on packed pairs (AMX tiles, or VDPBF16PS): Q·K and P·V of items of >= kAmxMinRows pairs
+  bool packed;  // bf16 on packed pairs (AMX tiles, or VDPBF16PS): Q·K and P·V of items of >= kPackedMinRows pairs
   bool tiles;   // the packed path runs on AMX tiles (head size % 32 == 0); else on VDPBF16PS (head size % 16 == 0)
   bool vnni;  // vLLM's `amx` cache layout (bf16): k/v point at the K and V regions, sk0/sv0 = block stride,
               // sk2/sv2 = head stride; K groups and V pair rows are read in place (see vnni_split)
@@ -757,7 +758,7 @@ class Kernel {
     const int64_t offset = kv_len - q_len;
     const int n_trials = static_cast<int>(p.T);
     sc.q.resize(static_cast<size_t>(M) * D);
-    sc.packed = p.packed && M >= kAmxMinRows;
+    sc.packed = p.packed && M >= kPackedMinRows;
     sc.slot_rows = sc.packed ? M + 16 : M;
     sc.s.resize(static_cast<size_t>(2) * sc.slot_rows * kTileK);
     sc.kept_g.resize(static_cast<size_t>(2) * M);
@@ -1493,7 +1494,8 @@ template <typename T>
 void run(const Params& p) {
   Kernel<T> kernel(p);
   const int64_t group = p.group;
-  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, (p.packed ? kAmxTargetRows : kTargetRows) / group));
+  const int target_rows = p.packed ? kPackedTargetRows : kTargetRows;
+  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, target_rows / group));
   std::vector<Item> items;
   struct Merge {
     int32_t b, kvh, r0, r1, n_splits;
