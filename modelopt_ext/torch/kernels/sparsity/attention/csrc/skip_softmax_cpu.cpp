@@ -68,6 +68,10 @@ constexpr int kSplitTiles = kSplitTokens / kTileK;
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kFewRows = 4;  // items of at most this many rows (decode: one GQA group) run Q·K in 32-key blocks
+// Items of at most this many (row, head) pairs prefetch the next K tile in software (decode: one GQA group, up to
+// 32 heads per KV head); larger ones (prefill items, 48 pairs) leave it to the hardware prefetcher on the AVX-512
+// vector path (see run_item).
+constexpr int kPrefetchMaxRows = 32;
 constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
 // (row, head) pairs per item on the packed bf16 path (AMX tiles, VDPBF16PS): K and V are interleaved once per item and
 // tile, so more rows (measured 1.06-1.22x faster bf16 prefill than 256 on the AMX machine)
@@ -821,8 +825,9 @@ class Kernel {
     // prefetched during A's Q·K.
     // Prefill items on the AVX-512 vector path leave K to the hardware prefetcher: their Q·K of 48 rows per tile
     // gives the stride prefetcher time to stay ahead, and building the list cost about 2.5 % of a prefill (Zen 4,
-    // fp32 and bf16 prefill 1-5 % faster without it; decode 20-50 % slower without it).
-    const bool sw_prefetch = sc.packed || M <= kFewRows || kLanes != 16;
+    // fp32 and bf16 prefill 1-7 % faster without it, also at 8 heads per KV head). Decode items keep it: without it
+    // they ran 20-50 % slower at 3 heads per KV head and 13-20 % at 8, and 3-4 % at 16 and 32.
+    const bool sw_prefetch = sc.packed || M <= kPrefetchMaxRows || kLanes != 16;
     int pending = -1;
     for (int t = t_begin; t < t_end; ++t) {
       const int slot = t & 1;
