@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,20 @@ def vllm_facts() -> VllmFacts:
     if cam is not None and dataclasses.is_dataclass(cam):
         fields = frozenset(f.name for f in dataclasses.fields(cam))
     return VllmFacts(getattr(vllm, "__version__", "?"), natives, cg_support, fields)
+
+
+def v2_row_slots_problem() -> str | None:
+    """Why model runner V2's metadata rows cannot be tied to its request-table slots on this vLLM, or None."""
+    if "req_idx" not in vllm_facts().common_metadata_fields:
+        return "model runner V2 of this vLLM passes no req_idx in CommonAttentionMetadata"
+    return None
+
+
+def v2_row_slots(common_attn_metadata, num_reqs: int) -> np.ndarray | None:
+    """Model runner V2: the request-table slot of each of the first `num_reqs` metadata rows (`req_idx`), or None
+    in a dummy or profiling run, whose metadata ties no row to a request."""
+    req_idx = getattr(common_attn_metadata, "req_idx", None)
+    return None if req_idx is None else np.asarray(req_idx)[: int(num_reqs)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

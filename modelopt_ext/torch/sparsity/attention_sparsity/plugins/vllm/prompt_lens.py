@@ -28,6 +28,8 @@ import logging
 
 import numpy as np
 
+from .compat import v2_row_slots, v2_row_slots_problem
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,13 +60,12 @@ class RequestStatePromptLens:
         self._runner = runner
 
     def __call__(self, common_attn_metadata) -> np.ndarray | None:
-        req_idx = getattr(common_attn_metadata, "req_idx", None)
-        if req_idx is None:
+        num_reqs = int(common_attn_metadata.num_reqs)
+        idx = v2_row_slots(common_attn_metadata, num_reqs)
+        if idx is None:
             return None
         prompt_len = self._runner.req_states.prompt_len
         table = getattr(prompt_len, "np", prompt_len)
-        num_reqs = int(common_attn_metadata.num_reqs)
-        idx = np.asarray(req_idx)[:num_reqs]
         out = np.zeros(num_reqs, dtype=np.int32)
         out[: len(idx)] = table[idx]
         return out
@@ -80,11 +81,8 @@ def prompt_lens_source(runner, vllm_config=None):
         return None, "micro-batching (DBO) slices the batch; metadata rows do not start at batch row 0"
     req_states = getattr(runner, "req_states", None)
     if req_states is not None and hasattr(req_states, "prompt_len"):
-        from .compat import vllm_facts
-
-        if "req_idx" not in vllm_facts().common_metadata_fields:
-            return None, "model runner V2 of this vLLM passes no req_idx in CommonAttentionMetadata"
-        return RequestStatePromptLens(runner), None
+        problem = v2_row_slots_problem()
+        return (None, problem) if problem else (RequestStatePromptLens(runner), None)
     batch = getattr(runner, "input_batch", None)
     if batch is not None and hasattr(batch, "num_prompt_tokens"):
         return InputBatchPromptLens(runner), None

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint.config_io import SparseAttentionSettings
+from .compat import v2_row_slots, v2_row_slots_problem
 from .context import PHASES, phase_law
 
 logger = logging.getLogger(__name__)
@@ -219,11 +220,11 @@ class V2Rows:
         self._states = runner.req_states
 
     def row_ids(self, num_reqs: int, common_attn_metadata=None) -> list:
-        req_idx = getattr(common_attn_metadata, "req_idx", None)
-        if req_idx is None:  # a dummy or profiling run: no request's rows
+        slots = v2_row_slots(common_attn_metadata, num_reqs)
+        if slots is None:  # a dummy or profiling run: no request's rows
             return []
         names = self._states.index_to_req_id
-        return [names.get(slot) for slot in np.asarray(req_idx)[: int(num_reqs)].tolist()]
+        return [names.get(slot) for slot in slots.tolist()]
 
     def extra_args(self, req_id: str):
         slot = self._states.req_id_to_index.get(req_id)
@@ -242,11 +243,8 @@ def request_rows(runner):
         return V1Rows(runner), None
     states = getattr(runner, "req_states", None)
     if states is not None and hasattr(states, "index_to_req_id") and hasattr(states, "req_id_to_index"):
-        from .compat import vllm_facts
-
-        if "req_idx" not in vllm_facts().common_metadata_fields:
-            return None, "model runner V2 of this vLLM passes no req_idx in CommonAttentionMetadata"
-        return V2Rows(runner), None
+        problem = v2_row_slots_problem()
+        return (None, problem) if problem else (V2Rows(runner), None)
     return None, f"{type(runner).__name__} is neither vLLM's model runner V1 nor V2 as the plugin reads them"
 
 
