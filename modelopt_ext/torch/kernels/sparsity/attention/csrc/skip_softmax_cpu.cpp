@@ -1017,8 +1017,7 @@ class Kernel {
   // Cache lines to prefetch during tile t's score loop: K of tile `next_t` (in place only; its rows are strided by
   // the page). V (contiguous rows) is left to the hardware prefetcher: software prefetches of V stalled the score
   // loop on fill buffers (Xeon with AMX, decode 4-18 % faster without them; on Zen 4 V prefetched into L2 was within
-  // ±10 % of none, by shape). Returns the list length, padded to
-  // whole micro-kernel steps.
+  // ±10 % of none, by shape). Returns the list length, padded to whole micro-kernel steps.
   int prefetch_list(const Item& it, Scratch& sc, int next_t, int pending_slot, int D) const {
     const Params& p = p_;
     const int cap = static_cast<int>(sc.pf.size());
