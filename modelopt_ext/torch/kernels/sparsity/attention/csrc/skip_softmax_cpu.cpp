@@ -444,14 +444,20 @@ inline void vnni_split(const uint16_t* p, vf& first, vf& second) {
 }
 
 // S[r][0 .. 16·NG - 1] (row stride kTileK) = Q[r] · K of NG 16-key groups, for R rows of fp32 Q (stride D).
+// Step rp (one dim pair) also prefetches pf[kPrefetchPerStep * rp ...] into L2, as qk_kernel does.
 template <int R, int NG>
-inline void qk_vnni_kernel(const float* q, int D, const uint16_t* const* grp, float* s) {
+inline void qk_vnni_kernel(const float* q, int D, const uint16_t* const* grp, float* s, const char* const* pf,
+                           int npf) {
   constexpr int NH = 16 / kLanes;  // vectors per group
   vf acc[R][NG * NH];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NG * NH; ++v) acc[r][v] = splat(0.f);
   }
+  const int rp_pf = std::min(D / 2, (npf + kPrefetchPerStep - 1) / kPrefetchPerStep);
   for (int rp = 0; rp < D / 2; ++rp) {
+    if (rp < rp_pf) {
+      for (int i = 0; i < kPrefetchPerStep; ++i) __builtin_prefetch(pf[kPrefetchPerStep * rp + i], 0, 1);
+    }
     vf k0[NG * NH], k1[NG * NH];
     for (int g = 0; g < NG; ++g) {
       for (int h = 0; h < NH; ++h) vnni_split(grp[g] + 32 * rp + 2 * kLanes * h, k0[g * NH + h], k1[g * NH + h]);
@@ -470,24 +476,43 @@ inline void qk_vnni_kernel(const float* q, int D, const uint16_t* const* grp, fl
 }
 
 template <int NG, int R>
-inline void qk_vnni_tail(const float* q, int D, int rows, const uint16_t* const* grp, float* s) {
+inline void qk_vnni_tail(const float* q, int D, int rows, const uint16_t* const* grp, float* s, const char* const* pf,
+                         int npf) {
   if constexpr (R > 0) {
     if (rows == R) {
-      qk_vnni_kernel<R, NG>(q, D, grp, s);
+      qk_vnni_kernel<R, NG>(q, D, grp, s, pf, npf);
     } else {
-      qk_vnni_tail<NG, R - 1>(q, D, rows, grp, s);
+      qk_vnni_tail<NG, R - 1>(q, D, rows, grp, s, pf, npf);
     }
   }
 }
 
-// Scores of `rows` rows against the 64 keys of a tile given as its four 16-key groups (NG groups per call).
-inline void qk_vnni_rows(const float* q, int D, int rows, const uint16_t* const* grp, float* s) {
+// Scores of `rows` rows against the 64 keys of a tile given as its four 16-key groups (NG groups per call); the
+// prefetch list pf[0 .. npf - 1] is split between the calls, each issuing its share over its dim-pair steps.
+inline void qk_vnni_rows(const float* q, int D, int rows, const uint16_t* const* grp, float* s, const char* const* pf,
+                         int npf) {
   constexpr int NG = kLanes == 16 ? 4 : 2;
   constexpr int kRows = kAccumulators / (NG * 16 / kLanes);
+  const int per_call = kPrefetchPerStep * (D / 2);
   for (int g0 = 0; g0 < 4; g0 += NG) {
     int r = 0;
-    for (; r + kRows <= rows; r += kRows) qk_vnni_kernel<kRows, NG>(q + r * D, D, grp + g0, s + r * kTileK + 16 * g0);
-    if (rows > r) qk_vnni_tail<NG, kRows - 1>(q + r * D, D, rows - r, grp + g0, s + r * kTileK + 16 * g0);
+    auto share = [&](int& n) {  // the next share of the list, moved past it
+      const int take = std::max(0, std::min(per_call, npf));
+      n = take;
+      const char* const* mine = pf;
+      pf += take;
+      npf -= take;
+      return mine;
+    };
+    int n = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      const char* const* mine = share(n);
+      qk_vnni_kernel<kRows, NG>(q + r * D, D, grp + g0, s + r * kTileK + 16 * g0, mine, n);
+    }
+    if (rows > r) {
+      const char* const* mine = share(n);
+      qk_vnni_tail<NG, kRows - 1>(q + r * D, D, rows - r, grp + g0, s + r * kTileK + 16 * g0, mine, n);
+    }
   }
 }
 
@@ -1036,6 +1061,15 @@ class Kernel {
         }
       }
     }
+    if (next_t >= 0 && p.vnni && !sc.packed) {  // `amx` layout on the vector path: each 16-key group is D/2 rows
+      const int64_t kv_len = p.kvlen[it.b];       // of 64 bytes, contiguous
+      for (int g = 0; g < kTileK / 16; ++g) {
+        const int64_t key0 = static_cast<int64_t>(next_t) * kTileK + 16 * g;
+        if (key0 >= kv_len) break;
+        const char* base = reinterpret_cast<const char*>(k_group(it.b, it.kvh, key0));
+        for (int64_t off = 0; off < 32 * static_cast<int64_t>(D) && n < cap; off += 64) pf[n++] = base + off;
+      }
+    }
     if (sc.packed && pending_slot >= 0 && p.v_direct) {
       const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + pending_slot * kTileK;
       const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
@@ -1140,7 +1174,7 @@ class Kernel {
       k_groups(it, sc, t, grp);
       const int D = static_cast<int>(p_.D);
       float* s = sbase + static_cast<size_t>(m_lo) * kTileK;
-      qk_vnni_rows(sc.q.data() + static_cast<size_t>(m_lo) * D, D, M - m_lo, grp, s);
+      qk_vnni_rows(sc.q.data() + static_cast<size_t>(m_lo) * D, D, M - m_lo, grp, s, sc.pf.data(), npf);
       finish_scores(it, sc, t, m_lo, M, s);
       return;
     }
