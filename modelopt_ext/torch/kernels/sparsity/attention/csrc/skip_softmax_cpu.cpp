@@ -66,6 +66,7 @@ constexpr int kTileK = 64;        // semantics.TILE_K
 constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
 constexpr int kSplitTiles = kSplitTokens / kTileK;
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
+constexpr float kLazyRescale = 8.f;       // packed bf16 path: raise a row's softmax max only past max + this
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kFewRows = 4;  // items of at most this many rows (decode: one GQA group) run Q·K in 32-key blocks
 // Items of at most this many (row, head) pairs prefetch the next K tile in software (decode: one GQA group, up to
@@ -1473,11 +1474,15 @@ class Kernel {
   // Online softmax of row m for one tile: rescale its state if the tile raises its max, then exp(scale * s - max)
   // of the tile's 64 scores, summed into the row's denominator. Exp'd values go to `dst` (fp32, in place on the
   // vector path; rounded to bf16 straight into the P·V A-tile rows on AMX tiles, so P is not stored twice).
+  // On the packed bf16 path the max is raised only when the tile's exceeds it by more than kLazyRescale: the
+  // probabilities then reach up to e^kLazyRescale (bf16 and fp32 hold them with the same relative precision), and
+  // most rows stop rescaling their state after their first tiles (each rescale writes the output row that P·V's C
+  // tiles load next). Skip decisions use their own running max (decide), so they do not change.
   template <typename P>
   void online_softmax_row(Scratch& sc, int m, const float* s, float g, int D, P* dst) const {
     float mx = sc.mx[m];
     float* lm = sc.l.data() + static_cast<size_t>(m) * kLanes;
-    if (g > mx) {
+    if (g > mx + (std::is_same_v<P, uint16_t> ? kLazyRescale : 0.f)) {
       if (mx != kNegInf) {
         const float a = std::exp(mx - g);
         storev(lm, loadv(lm) * splat(a));
