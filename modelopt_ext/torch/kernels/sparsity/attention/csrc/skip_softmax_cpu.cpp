@@ -1191,7 +1191,11 @@ class Kernel {
           for (int r = m_lo, i = 0; r < M; r += 16, ++i) {
             prefetch_share(sc.pf.data(), npf, i, n_blocks);
             qk_block_amx(sc, r, t & 1, sbase + static_cast<size_t>(r) * kTileK);
+            if (r > m_lo) finish_scores(it, sc, t, r - 16, r, sbase + static_cast<size_t>(r - 16) * kTileK);
           }
+          const int last = m_lo + 16 * (n_blocks - 1);
+          finish_scores(it, sc, t, last, M, sbase + static_cast<size_t>(last) * kTileK);
+          return;
         } else {
 #if defined(MODELOPT_EXT_BF16_PAIRS)
           const int D = static_cast<int>(p_.D);
