@@ -71,10 +71,13 @@ constexpr float kLazyRescale = 8.f;       // packed bf16 path: raise a row's sof
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
 constexpr int kFewRows = 4;  // items of at most this many rows (decode: one GQA group) run Q·K in 32-key blocks
 // Items of at most this many (row, head) pairs prefetch the next K tile in software (decode: one GQA group, up to
-// 32 heads per KV head); larger ones (prefill items, 48 pairs) leave it to the hardware prefetcher on the AVX-512
-// vector path (see run_item).
+// 32 heads per KV head); larger ones (prefill items) leave it to the hardware prefetcher on the AVX-512 vector path
+// (see run_item; on the Xeon with AMX, fp32 prefill with the list was 0.94-0.98x as fast).
 constexpr int kPrefetchMaxRows = 32;
-constexpr int kTargetRows = 48;   // (row, head) pairs per prefill work item
+// (row, head) pairs per prefill work item on the vector path: each item reads the K and V of its keys once, so more
+// rows per item read the cache fewer times over a long prompt (Xeon with AMX, fp32, against 48: prefill 8k
+// 1.06-1.15x, 4k 1.03-1.10x, 2k 1.00-1.04x; 96: 8k 1.07-1.09x).
+constexpr int kTargetRows = 192;
 // (row, head) pairs per item on the packed bf16 path (AMX tiles, VDPBF16PS): K and V are interleaved once per item and
 // tile, so more rows (measured 1.06-1.22x faster bf16 prefill than 256 on the AMX machine)
 constexpr int kPackedTargetRows = 512;
@@ -138,7 +141,7 @@ bool dot_active() {
 
 // Work items with fewer (row, head) pairs than one tile's 16 rows (decode: a GQA group) stay on the vector path:
 // there a tile's few rows cannot hide the K/V memory stream (measured: decode 8k 1.4x slower on tiles), while
-// prefill items (48 pairs) run 2x faster on tiles. The decisions of a row are the same on both paths up to float
+// prefill items run 2x faster on tiles. The decisions of a row are the same on both paths up to float
 // rounding of its scores (docs/skip_softmax.md "Precision"). The packed path without tiles (VDPBF16PS) keeps the
 // same threshold, so a row takes the same path with either engine.
 constexpr int kPackedMinRows = 16;
@@ -881,7 +884,7 @@ class Kernel {
     // that wrote its data stalled on them): K of tile t + 1 right after stage A of tile t (its tile loads come in the
     // next stage A), V of tile t - 1 at the start of stage B (its tile loads come after B's exp). Both are
     // prefetched during A's Q·K.
-    // Prefill items on the AVX-512 vector path leave K to the hardware prefetcher: their Q·K of 48 rows per tile
+    // Prefill items on the AVX-512 vector path leave K to the hardware prefetcher: their Q·K of many rows per tile
     // gives the stride prefetcher time to stay ahead, and building the list cost about 2.5 % of a prefill (Zen 4,
     // fp32 and bf16 prefill 1-7 % faster without it, also at 8 heads per KV head). Decode items keep it: without it
     // they ran 20-50 % slower at 3 heads per KV head and 13-20 % at 8, and 3-4 % at 16 and 32.
