@@ -503,31 +503,23 @@ inline void qk_vnni_tail(const float* q, int D, int rows, const uint16_t* const*
   }
 }
 
-// Scores of `rows` rows against the 64 keys of a tile given as its four 16-key groups (NG groups per call); the
-// prefetch list pf[0 .. npf - 1] is split between the calls, each issuing its share over its dim-pair steps.
+// Scores of `rows` rows against the 64 keys of a tile given as its four 16-key groups (NG groups per call). The
+// prefetch list goes to the first call only: it holds at most the next tile's four groups, D/2 lines each, which is
+// what one call's D/2 dim-pair steps issue (kPrefetchPerStep = 4 per step).
 inline void qk_vnni_rows(const float* q, int D, int rows, const uint16_t* const* grp, float* s, const char* const* pf,
                          int npf) {
   constexpr int NG = kLanes == 16 ? 4 : 2;
   constexpr int kRows = kAccumulators / (NG * 16 / kLanes);
-  const int per_call = kPrefetchPerStep * (D / 2);
   for (int g0 = 0; g0 < 4; g0 += NG) {
-    int r = 0;
-    auto share = [&](int& n) {  // the next share of the list, moved past it
-      const int take = std::max(0, std::min(per_call, npf));
-      n = take;
-      const char* const* mine = pf;
-      pf += take;
-      npf -= take;
-      return mine;
-    };
-    int n = 0;
-    for (; r + kRows <= rows; r += kRows) {
-      const char* const* mine = share(n);
-      qk_vnni_kernel<kRows, NG>(q + r * D, D, grp + g0, s + r * kTileK + 16 * g0, mine, n);
-    }
-    if (rows > r) {
-      const char* const* mine = share(n);
-      qk_vnni_tail<NG, kRows - 1>(q + r * D, D, rows - r, grp + g0, s + r * kTileK + 16 * g0, mine, n);
+    for (int r = 0; r < rows; r += kRows) {
+      const float* qr = q + r * D;
+      float* sr = s + r * kTileK + 16 * g0;
+      if (rows - r >= kRows) {
+        qk_vnni_kernel<kRows, NG>(qr, D, grp + g0, sr, pf, npf);
+      } else {
+        qk_vnni_tail<NG, kRows - 1>(qr, D, rows - r, grp + g0, sr, pf, npf);
+      }
+      npf = 0;  // later calls issue none
     }
   }
 }
@@ -1077,9 +1069,10 @@ class Kernel {
 
   // Cache lines to prefetch during tile t's score loop: K of tile `next_t` (in place only: on `vec` its rows are
   // strided by the page; on `amx`, read by the vector path, its four 16-key groups are D/2 contiguous 64-byte rows
-  // each: without them bf16 decode at batch 8 on a Xeon with AMX ran 1.14-1.21x slower). V (contiguous rows) is left to the hardware prefetcher: software prefetches of V stalled the score
-  // loop on fill buffers (Xeon with AMX, decode 4-18 % faster without them; on Zen 4 V prefetched into L2 was within
-  // ±10 % of none, by shape). Returns the list length, padded to whole micro-kernel steps.
+  // each: without them bf16 decode at batch 8 on a Xeon with AMX ran 1.14-1.21x slower). V (contiguous rows) is
+  // left to the hardware prefetcher: software prefetches of V stalled the score loop on fill buffers (Xeon with AMX,
+  // decode 4-18 % faster without them, 10-17 % on the `amx` layout; on Zen 4 V prefetched into L2 was within ±10 %
+  // of none, by shape). Returns the list length, padded to whole micro-kernel steps.
   int prefetch_list(const Item& it, Scratch& sc, int next_t, int pending_slot, int D) const {
     const Params& p = p_;
     const int cap = static_cast<int>(sc.pf.size());
