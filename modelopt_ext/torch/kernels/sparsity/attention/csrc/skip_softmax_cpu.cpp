@@ -1071,7 +1071,7 @@ class Kernel {
   // strided by the page; on `amx`, read by the vector path, its four 16-key groups are D/2 contiguous 64-byte rows
   // each: without them bf16 decode at batch 8 on a Xeon with AMX ran 1.14-1.21x slower). V (contiguous rows) is
   // left to the hardware prefetcher: software prefetches of V stalled the score loop on fill buffers (Xeon with AMX,
-  // decode 4-18 % faster without them, 10-17 % on the `amx` layout; on Zen 4 V prefetched into L2 was within ±10 %
+  // decode 4-18 % faster without them, 11-20 % on the `amx` layout; on Zen 4 V prefetched into L2 was within ±10 %
   // of none, by shape). Returns the list length, padded to whole micro-kernel steps.
   int prefetch_list(const Item& it, Scratch& sc, int next_t, int pending_slot, int D) const {
     const Params& p = p_;
