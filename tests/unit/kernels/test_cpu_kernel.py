@@ -24,6 +24,7 @@ from skip_attention_helpers import (
     LAYOUTS,
     dense_attention_f64,
     log_lams_tensor,
+    logical,
     make_case,
     oracle,
     quantile_lambda,
@@ -422,6 +423,29 @@ def test_packed_rows_do_not_depend_on_chunking_or_batch(packed_engine):
         total += c[0]
     assert torch.equal(total, counts[0])
 
+
+
+def test_packed_rows_rescale_when_scores_climb(packed_engine):
+    """The packed path raises a row's softmax max only when a tile's max exceeds it by more than 8: scores that climb
+    by 64 per 64-key tile (to about 200) make every row rescale its state at almost every tile, and short diagonal
+    tiles stay under the margin. Outputs match the float64 oracle at bf16 tolerance with exact counts (no tile is
+    skippable here); a row that stopped rescaling would overflow exp(s - max) past its first tiles (e^88)."""
+    case = make_case([200, 70], [200, 70], hq=4, hkv=2, d=64, page=16, layout="nhd", dtype=torch.bfloat16, seed=49)
+    q0 = 0
+    for b, kv in enumerate(case.kv_lens):  # score += pos: q[..., 0] = 8 times k[pos, ..., 0] = pos (exact), scale 1/8
+        pos = torch.arange(kv)
+        pages = case.block_table[b, pos // 16].long()
+        logical(case.k_cache)[pages, pos % 16, :, 0] = pos.to(torch.bfloat16).unsqueeze(-1)
+        case.q[q0 : q0 + case.q_lens[b], :, 0] = 8.0
+        q0 += case.q_lens[b]
+    dense, _ = run(case, "cpu")
+    assert torch.isfinite(dense).all()
+    close(dense, dense_attention_f64(case), torch.bfloat16)
+    lam = torch.tensor([0.05, 0.05])
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(case, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts)
+    close(out, ref.out, torch.bfloat16)
 
 
 @pytest.fixture(params=["amx", "dot", "vector"], ids=["amx-tiles", "dot", "vector"])
