@@ -38,14 +38,17 @@ SCRIPT = textwrap.dedent(
         p2 = triton.next_power_of_2(trials)
         bd = max(16, triton.next_power_of_2(d))
         common = dict(HEAD_DIM=d, BLOCK_D=bd, GROUP=group, PAGE=page, BLOCK_K=64, N_TRIALS=trials, TRIALS_P2=p2,
-                      MODE=mode, FP32_DOT=dtype == "fp32")
+                      MODE=mode, FP32_DOT=dtype == "fp32", SOFTCAP=False)
         if dtype == "fp16":  # what a launch with contiguous head dims compiles: unit strides are specialised
             common.update(stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1)
-        warps, stages = tk._launch_params(d)
-        build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=64, SPLIT_BLOCKS=32), num_warps=warps,
-              num_stages=stages)
+        cfg = tk.default_launch_config(d)
+        build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=cfg.prefill_block_q, SPLIT_BLOCKS=32,
+                                              V_BRANCH=cfg.prefill_v_branch, FUSED_ACC=cfg.prefill_fused_acc),
+              num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)
         build(tk._decode_kernel, dtype, dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                                             NUM_HEADS=2 * group, SPLIT_BLOCKS=32), num_warps=4, num_stages=2)
+                                             NUM_HEADS=2 * group, SPLIT_BLOCKS=32, V_BRANCH=cfg.decode_v_branch,
+                                             FUSED_ACC=cfg.decode_fused_acc),
+              num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)
         build(tk._decode_merge_kernel, dtype, dict(HEAD_DIM=d, BLOCK_D=bd, NUM_HEADS=2 * group, SPLIT_TOKENS=2048),
               num_warps=1)
     print("compiled")

@@ -163,10 +163,11 @@ def _constexpr_params(kernel) -> set[str]:
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
     """λ (the law tensors), the scale, the soft-cap value, lengths and strides are runtime values; constexprs are
-    geometry and mode only (SOFTCAP: whether scores are capped at all)."""
+    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_BRANCH, FUSED_ACC:
+    `LaunchConfig`'s code shape)."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
-        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP",
+        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_BRANCH", "FUSED_ACC",
     }  # fmt: skip
     params = _constexpr_params(getattr(triton_kernel, kernel))
     assert params and params <= allowed, params - allowed
@@ -240,3 +241,38 @@ def test_int64_metadata_and_padded_queries(backend):
     assert torch.equal(counts, expected.counts)
     torch.testing.assert_close(out[:66].double(), expected.out, atol=3e-5, rtol=1e-4)
     assert torch.isnan(out[66:]).all()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_kernel.LaunchConfig(prefill_block_q=128, prefill_warps=4, prefill_stages=3),
+        triton_kernel.LaunchConfig(prefill_v_branch=False, decode_v_branch=False, decode_warps=2),
+        triton_kernel.LaunchConfig(prefill_block_q=128, prefill_fused_acc=True, decode_fused_acc=True,
+                                   prefill_v_branch=False, decode_stages=4),
+    ],
+    ids=["rows128", "predicated-v", "fused-acc"],
+)
+def test_launch_configs_keep_decisions_and_rows(config):
+    """Every `LaunchConfig` (rows per prefill program, branch-free V skip, P·V accumulated in the dot) gives the
+    oracle's counts exactly and its rows at fp32 tolerance, serving and calibrating; poisoned rows past total_q stay
+    unwritten. Mixed batch: a 130-row chunk over 300 keys (two 128-row blocks, the second partial), decode across a
+    split boundary (2100 keys), a 70-row prompt, a short decode."""
+    case = make_case([130, 1, 70, 1], [300, 2100, 70, 40], hq=4, hkv=2, d=32, page=16, seed=29)
+    lams = safe_lambdas(case, torch.tensor([0.3, 0.05, 0.2, 0.5]))
+    log_lams = log_lams_tensor(lams, case.batch)
+    trials = safe_lambdas(case, torch.tensor([1e-3, 0.1, 0.6]).expand(case.batch, -1).contiguous())
+    for ll, calibrate in ((log_lams, False), (log_lams_tensor(trials, case.batch), True), (None, False)):
+        expected = oracle(case, ll, calibrate=calibrate)
+        out = torch.full((case.q.shape[0] + 3, *case.q.shape[1:]), math.nan)
+        counts = triton_kernel.launch_triton(
+            *case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out, config=config,
+            **backend_law(case, ll),
+        )  # fmt: skip
+        torch.testing.assert_close(out[: case.q.shape[0]].double(), expected.out, atol=3e-5, rtol=1e-4)
+        assert torch.isnan(out[case.q.shape[0] :]).all()
+        if ll is None:
+            assert counts is None
+        else:
+            assert torch.equal(counts, expected.counts)
+            assert counts[..., 1].sum() > 0

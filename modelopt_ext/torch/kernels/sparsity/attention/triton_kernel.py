@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -136,13 +137,22 @@ def _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable):
 
 
 @triton.jit
-def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr):
-    """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator)."""
+def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
+    """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator).
+
+    FUSED: the rescaled accumulator is the dot's accumulator input (one MMA chain, as flash-attention kernels do);
+    else P·V is added after (the same sum in another fp32 order)."""
     m_new = tl.where(keep_row, tl.maximum(m_i, tile_max), m_i)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.where(keep_row[:, None], tl.exp(s - m_safe[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FUSED:
+        if FP32_DOT:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        return m_new, l_i, acc
     if FP32_DOT:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
@@ -191,9 +201,11 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_BRANCH: tl.constexpr, FUSED_ACC: tl.constexpr,
 ):  # fmt: skip
     # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
+    # V_BRANCH (serving only): skip a tile nobody keeps with a branch around the V load and P·V; else the V load is
+    # predicated off (no memory traffic) and the update runs on zero probabilities (same result, no branch).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -243,8 +255,10 @@ def _prefill_kernel(
     m_split = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    n_drop = tl.zeros([TRIALS_P2], tl.int32)
-    n_visited = 0
+    # Drops are counted per row and summed once after the loop: a sum over the block's rows inside the loop
+    # is a cross-warp reduction (shared memory and a barrier) per tile.
+    drops = tl.zeros([BLOCK_Q], tl.int32)
+    drops2 = tl.zeros([BLOCK_Q, TRIALS_P2], tl.int32)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for kb in range(0, n_kblocks):
@@ -257,7 +271,6 @@ def _prefill_kernel(
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
         tile_max = tl.max(s, axis=1)
         valid = row_in & (kb * BLOCK_K <= pos)
-        n_visited += tl.sum(valid.to(tl.int32), axis=0)
         m_anchor = tl.where(kb == 0, tile_max, m_anchor)
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
         droppable = valid & (kb > 0)
@@ -265,21 +278,32 @@ def _prefill_kernel(
         if MODE == 1:
             drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
             keep_row = valid & ~drop
-            n_drop += tl.where(trials == 0, tl.sum(drop.to(tl.int32), axis=0), 0)
+            drops += drop.to(tl.int32)
         if MODE == 2:
             drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
-            n_drop += tl.sum(drop2.to(tl.int32), axis=0)
+            drops2 += drop2.to(tl.int32)
         m_split = tl.maximum(m_split, tile_max)
-        if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
-            v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+        if (MODE == 1) & V_BRANCH:
+            if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
+                v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                                 stride_vd)  # fmt: skip
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        else:
+            v_in = k_in & (tl.sum(keep_row.to(tl.int32), axis=0) > 0)
+            v = _load_v_tile(v_ptr, page_id, slot, v_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                              stride_vd)  # fmt: skip
-            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT)
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & d_in[None, :])
     if MODE != 0:
+        n_visited = tl.sum(tl.where(row_in, pos // BLOCK_K + 1, 0), axis=0)  # a row visits tiles 0 .. pos // BLOCK_K
+        if MODE == 1:
+            n_drop = tl.where(trials == 0, tl.sum(drops, axis=0), 0)
+        else:
+            n_drop = tl.sum(drops2, axis=0)
         _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS)
 
 
@@ -301,7 +325,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_BRANCH: tl.constexpr, FUSED_ACC: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -354,6 +378,8 @@ def _decode_kernel(
     m_split = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # Summed per tile here (unlike the prefill kernel): per-row sums after the loop made the 2-warp, 3-stage
+    # launch 1.3-1.6x slower when serving on an H200 (bf16, B=1 at 128k and B=64 at 16k).
     n_drop = tl.zeros([TRIALS_P2], tl.int32)
     for kb in range(kb_start, kb_end):
         kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -376,10 +402,16 @@ def _decode_kernel(
                                droppable[:, None])  # fmt: skip
             n_drop += tl.sum(drop2.to(tl.int32), axis=0)
         m_split = tl.maximum(m_split, tile_max)
-        if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
-            v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+        if (MODE == 1) & V_BRANCH:
+            if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
+                v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                                 stride_vd)  # fmt: skip
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        else:
+            v_in = k_in & (tl.sum(keep_row.to(tl.int32), axis=0) > 0)
+            v = _load_v_tile(v_ptr, page_id, slot, v_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                              stride_vd)  # fmt: skip
-            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT)
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
 
     if n_splits == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -435,9 +467,32 @@ def _decode_merge_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _launch_params(head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for the prefill kernel; they never change results (see the module docstring)."""
-    return (8 if head_dim > 64 else 4), 2
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the Triton kernels are launched: rows per prefill program, warps, pipeline stages, and whether a tile
+    no row keeps is skipped by a branch or by a predicated V load. None of it changes decisions or counts (outputs
+    only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on a GPU."""
+
+    prefill_block_q: int = TILE_Q
+    prefill_warps: int = 8
+    prefill_stages: int = 2
+    prefill_v_branch: bool = True
+    prefill_fused_acc: bool = False
+    decode_warps: int = 4
+    decode_stages: int = 2
+    decode_v_branch: bool = True
+    decode_fused_acc: bool = False
+
+
+def default_launch_config(head_dim: int) -> LaunchConfig:
+    """The launch configuration used when the caller passes none (measured on an H200, see the module docstring):
+    128-row prefill programs on 8 warps for D > 64 (64 rows on 4 warps below, not measured), decode on 2 warps
+    with 3 stages, tiles nobody keeps skipped by a branch."""
+    if head_dim > 64:
+        return LaunchConfig(prefill_block_q=128, prefill_warps=8, prefill_stages=2, decode_warps=2, decode_stages=3)
+    return LaunchConfig(prefill_block_q=64, prefill_warps=4, prefill_stages=2, decode_warps=2, decode_stages=3)
+
+
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -513,7 +568,7 @@ def paged_skip_softmax_attention_triton(
 
 def launch_triton(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
-    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0,
+    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0, config=None,
 ):  # fmt: skip
     """The launch without checks (the vLLM plugin checked geometry once): same arguments as
     `paged_skip_softmax_attention_triton`, plus what makes it allocation-free and CUDA-graph safe:
@@ -523,7 +578,8 @@ def launch_triton(
       elements for this launch's B, Hq, head size and `max_seqlen_k` (else allocated per call);
     - `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax (a compiled variant);
     - `decode_only`: the caller knows every sequence has one new row (a uniform decode batch), so the prefill
-      grid, whose programs would all exit, is not launched.
+      grid, whose programs would all exit, is not launched;
+    - `config`: a `LaunchConfig` (default: `default_launch_config(head_size)`).
 
     The grids depend only on B, the heads and `max_seqlen_k` (or the block table's width), never on the lengths in
     this step's tensors: a captured launch stays correct when lengths, block tables and λ change between replays
@@ -563,16 +619,18 @@ def launch_triton(
     common_strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0))
     law = (prompts, log_sf_arg, gamma_arg, counts_arg)
 
+    cfg = config if config is not None else default_launch_config(head_dim)
     if not decode_only:
         # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
-        warps, stages = _launch_params(head_dim)
-        grid = (total_q // TILE_Q + batch, num_heads)
+        block_q = cfg.prefill_block_q
+        grid = (total_q // block_q + batch, num_heads)
         _prefill_kernel[grid](
             q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
             float(softmax_scale), float(softcap), batch, *common_strides,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=TILE_Q, BLOCK_K=TILE_K,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=block_q, BLOCK_K=TILE_K,
             SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
-            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
+            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, V_BRANCH=cfg.prefill_v_branch, FUSED_ACC=cfg.prefill_fused_acc,
+            num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
         )  # fmt: skip
 
     # Decode: (sequence, KV head, split); the number of splits is bounded without reading seq_lens_k.
@@ -594,7 +652,8 @@ def launch_triton(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
         N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0,
-        num_warps=4, num_stages=2,
+        V_BRANCH=cfg.decode_v_branch, FUSED_ACC=cfg.decode_fused_acc,
+        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
     )  # fmt: skip
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
