@@ -13,14 +13,16 @@ a phase that times out is killed and the next one still runs, and every phase wr
 2. wheels       -> pure-Python wheels in --wheels that are not installed already (pytest, pluggy, ...) are
                    unzipped into a temporary folder put on PYTHONPATH (or `pip install --no-index --target`
                    with --pip-install). The nvidia-modelopt wheel is handed to the benchmark, which loads it.
-3. gpu tests    -> pytest.log, pytest.xml (`pytest -m gpu tests/`)
+3. gpu tests    -> pytest.log, pytest.xml (`pytest -m gpu` over the test modules that hold `gpu` tests only, so
+                   the rest of the suite's dependencies — pydantic, ModelOpt, vLLM — need not exist there)
 4. graphs       -> graphs.log, graphs/graphs.json|txt (benchmarks/bench_decode_graphs.py: the CUDA-graph self-test
                    the vLLM plugin runs at engine start, on the Triton kernel without vLLM, and decode latency eager
                    vs graph replay at batch 1/8/64 with 8k-token contexts; issue #26)
 5. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
 6. summary      -> summary.txt, summary.json (printed last)
 
-What a GPU must confirm (changes made without one; read the table with these in mind):
+First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an H200"). What a GPU must confirm
+(changes made without one; read the table with these in mind):
 
 - Skip semantics v2 (docs/skip_softmax.md): the Triton kernels now decide per row, compute ln λ per row from
   runtime law tensors, keep two extra row maxima (anchor, split max), zero dropped rows' P in blocks some rows keep,

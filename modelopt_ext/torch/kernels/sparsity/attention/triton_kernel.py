@@ -52,18 +52,18 @@ Not checked on the device (would need a host sync): `seq_lens_k >= q_len` (the r
 
 Being fast on an H200 (sm_90)
 -----------------------------
-The tile geometry is fixed by the semantics (64 x 64); only launch parameters may change per GPU, and they never
-change results. Chosen here (`_launch_params`): prefill `num_warps=8` for D > 64 and 4 for D <= 64,
-`num_stages=2`; decode `num_warps=4, num_stages=2`; merge `num_warps=1`. Compiled ahead of time for sm_90
-without a GPU (ptxas -v, page 16, fp16, serving), the prefill kernel at D = 128 spills (~750 B) with 4 warps
-(the 64 x 128 fp32 accumulator, the Q tile and the gathered K/V address tensors share one thread's registers) and
-does not with 8; D = 64 fits 4 warps without spills; decode at D = 128 spills ~100 B with 4 warps.
-Not measured on a device yet — worth trying there: `num_stages=3` (the gathered loads may not pipeline behind
-the runtime skip branch), `num_warps=8` for decode at D >= 128, one K/V load per GQA group in prefill
-(all query heads of a KV head in one program, skip decisions still per head) when groups are large, and
-contiguous-page fast paths (page >= TILE_K: one page per tile, a scalar page id). Keep the skip test before the V
-load so skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is
-2 / (2 - s).
+The skip geometry is fixed by the semantics (64-key tiles, 2048-key splits); how the kernels are launched is a
+`LaunchConfig` and never changes decisions or counts. Measured on an H200 (docs/benchmarks.md, bf16, D = 128,
+`benchmarks/tune_triton.py`), the default (`default_launch_config`) for D > 64 is 128-row prefill programs on
+8 warps with 2 stages (prefill 16k 1.95x the old 64 rows on 8 warps; 64 rows on 4 warps 1.78x) and decode on
+2 warps with 3 stages (s=0.7: 1.04-1.07x the old 4 warps x 2 stages); for D <= 64 (not measured) 64-row programs
+on 4 warps. Prefill counts its drops per row and sums them once after the loop (a sum over the program's rows is a
+cross-warp reduction per tile); decode keeps its per-tile sum (per row it was 1.3-1.6x slower there).
+Not kept: the branch-free skip (`v_branch=False`: V loads predicated off, P·V on zeros), which Triton 3.6 cannot
+pipeline in prefill (compile error) and which is 3-13 % slower in decode; P·V accumulated inside the dot (no change).
+Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
+"does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
+skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
 """
 
 from __future__ import annotations
