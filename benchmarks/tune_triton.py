@@ -2,8 +2,8 @@
 """Launch-configuration sweep of the Triton kernels (`triton_kernel.LaunchConfig`) on a GPU.
 
 Never a timed test. It answers which launch parameters to make the default on a GPU: rows per prefill program
-(64 or 128), warps, pipeline stages, and whether a tile no row keeps is skipped by a branch around the V load
-and P·V (`v_branch`) or by a predicated V load that keeps the loop body branch-free (so Triton can pipeline it).
+(64 or 128), warps, pipeline stages, and how a serving kernel skips a tile no row keeps (`SKIP_MODES`: a branch
+around the V load, exp and P·V; V loaded for every tile and a branch around exp and P·V; or no branch at all).
 None of them changes skip decisions or counts; the sweep checks that against the default configuration.
 
     python benchmarks/tune_triton.py --out gpu_logs/tune                  # on the GPU (about 3 minutes)
@@ -40,22 +40,26 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import (  # noqa: E
     normalize_thresholds,
 )
 
-# (rows per program, warps, stages, V skipped by a branch, P·V accumulated in the dot): the default first, then
-# ModelOpt's and flash-attention's usual Hopper shapes, each with and without the branch-free V skip.
+# (rows per program, warps, stages, skip mode, P·V accumulated in the dot): after the default, the launches measured
+# on an H200 on 2026-12-04 (docs/benchmarks.md) and the skip modes not measured there yet.
 PREFILL_SWEEP = [
-    (64, 4, 2, True, False), (64, 4, 3, True, False), (64, 8, 3, True, False),
-    (128, 4, 2, True, False), (128, 8, 2, True, False), (128, 8, 3, True, False),
-    (64, 4, 3, True, True), (128, 8, 2, True, True), (128, 8, 3, True, True),
-    (64, 4, 3, False, False), (128, 8, 3, False, False), (128, 8, 3, False, True),
+    (64, 8, 2, "branch", False),
+    (64, 4, 2, "branch", False),
+    (128, 8, 3, "branch", False),
+    (128, 8, 2, "compute", False),
+    (128, 8, 3, "compute", False),
+    (64, 4, 2, "compute", False),
+    (64, 4, 3, "compute", False),
+    (128, 8, 2, "predicated", False),
 ]
 
 
 def prefill_configs(head_dim: int) -> list[tk.LaunchConfig]:
     base = tk.default_launch_config(head_dim)
     out = [base]
-    for bq, warps, stages, vb, fused in PREFILL_SWEEP:
+    for bq, warps, stages, skip, fused in PREFILL_SWEEP:
         cfg = dataclasses.replace(base, prefill_block_q=bq, prefill_warps=warps, prefill_stages=stages,
-                                  prefill_v_branch=vb, prefill_fused_acc=fused)  # fmt: skip
+                                  prefill_skip=skip, prefill_fused_acc=fused)  # fmt: skip
         if cfg not in out:
             out.append(cfg)
     return out
@@ -64,8 +68,8 @@ def prefill_configs(head_dim: int) -> list[tk.LaunchConfig]:
 def decode_configs(head_dim: int) -> list[tk.LaunchConfig]:
     base = tk.default_launch_config(head_dim)
     out = [base]
-    for warps, stages, vb in itertools.product((2, 4, 8), (2, 3, 4), (True, False)):
-        cfg = dataclasses.replace(base, decode_warps=warps, decode_stages=stages, decode_v_branch=vb)
+    for warps, stages, skip in itertools.product((2, 4), (2, 3, 4), ("branch", "compute", "predicated")):
+        cfg = dataclasses.replace(base, decode_warps=warps, decode_stages=stages, decode_skip=skip)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -80,7 +84,12 @@ def parse_configs(text: str, head_dim: int) -> list[tk.LaunchConfig]:
         kw = {}
         for pair in filter(None, (x.strip() for x in item.split(","))):
             key, value = pair.split("=")
-            kw[key] = value.lower() in ("1", "true", "yes") if key.endswith(("branch", "acc")) else int(value)
+            if key.endswith("_skip"):
+                kw[key] = value
+            elif key.endswith("_acc"):
+                kw[key] = value.lower() in ("1", "true", "yes")
+            else:
+                kw[key] = int(value)
         cfg = dataclasses.replace(base, **kw)
         if cfg not in out:
             out.append(cfg)
@@ -90,9 +99,8 @@ def parse_configs(text: str, head_dim: int) -> list[tk.LaunchConfig]:
 def label(cfg: tk.LaunchConfig, phase: str) -> str:
     if phase == "prefill":
         fused = " fused" if cfg.prefill_fused_acc else ""
-        return (f"q{cfg.prefill_block_q} w{cfg.prefill_warps} s{cfg.prefill_stages}{fused} "
-                f"{'branch' if cfg.prefill_v_branch else 'pred'}")  # fmt: skip
-    return f"w{cfg.decode_warps} s{cfg.decode_stages} {'branch' if cfg.decode_v_branch else 'pred'}"
+        return f"q{cfg.prefill_block_q} w{cfg.prefill_warps} s{cfg.prefill_stages}{fused} {cfg.prefill_skip}"
+    return f"w{cfg.decode_warps} s{cfg.decode_stages} {cfg.decode_skip}"
 
 
 def launcher(inp: Inputs, lam: float | None, cfg: tk.LaunchConfig):
@@ -138,6 +146,7 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
     else:
         configs = prefill_configs(shape.head_dim) if shape.phase == "prefill" else decode_configs(shape.head_dim)
     ref = {}
+    labels = {label(c, shape.phase) for c in configs}
     for i, cfg in enumerate(configs):
         if time.monotonic() > deadline:
             rec["rows"].append({"config": label(cfg, shape.phase), "error": "time budget"})
@@ -145,9 +154,9 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
         row = {"config": label(cfg, shape.phase), "default": i == 0}
         try:
             for mode, lam_m in (("dense", None), ("sparse", lam)):
-                dense_twin = mode == "dense" and not getattr(cfg, f"{shape.phase}_v_branch")
-                if dense_twin:  # v_branch only matters when serving: dense time is its twin's
-                    continue
+                twin = label(cfg, shape.phase).rpartition(" ")[0] + " branch"
+                if mode == "dense" and twin != row["config"] and twin in labels:
+                    continue  # the skip mode only matters when serving: dense time is its branch twin's
                 run = launcher(inp, lam_m, cfg)
                 o, c = run()
                 o = o.clone()
@@ -166,11 +175,12 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rec["rows"].append(row)
         log(f"  {row}")
-    # the dense time of a pred twin is its branch twin's
+    # the dense time of a compute / predicated twin is its branch twin's
     by_label = {r["config"]: r for r in rec["rows"]}
     for r in rec["rows"]:
-        if r["config"].endswith("pred") and "dense_ms" not in r:
-            twin = by_label.get(r["config"][: -len("pred")] + "branch", {})
+        head, _, mode = r["config"].rpartition(" ")
+        if mode != "branch" and "dense_ms" not in r:
+            twin = by_label.get(f"{head} branch", {})
             if "dense_ms" in twin:
                 r["dense_ms"] = twin["dense_ms"]
     rec["predicted_sparsity"] = predicted

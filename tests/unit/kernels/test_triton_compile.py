@@ -42,13 +42,17 @@ SCRIPT = textwrap.dedent(
         if dtype == "fp16":  # what a launch with contiguous head dims compiles: unit strides are specialised
             common.update(stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1)
         cfg = tk.default_launch_config(d)
-        build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=cfg.prefill_block_q, SPLIT_BLOCKS=32,
-                                              V_BRANCH=cfg.prefill_v_branch, FUSED_ACC=cfg.prefill_fused_acc),
-              num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)
-        build(tk._decode_kernel, dtype, dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                                             NUM_HEADS=2 * group, SPLIT_BLOCKS=32, V_BRANCH=cfg.decode_v_branch,
-                                             FUSED_ACC=cfg.decode_fused_acc),
-              num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)
+        # the default launch; when serving (mode 1) with every skip mode
+        for skip in tk.SKIP_MODES.values() if mode == 1 else [None]:
+            pre = tk.SKIP_MODES[cfg.prefill_skip] if skip is None else skip
+            dec = tk.SKIP_MODES[cfg.decode_skip] if skip is None else skip
+            build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=cfg.prefill_block_q, SPLIT_BLOCKS=32, V_SKIP=pre,
+                                                  FUSED_ACC=cfg.prefill_fused_acc),
+                  num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)
+            build(tk._decode_kernel, dtype, dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                                                 NUM_HEADS=2 * group, SPLIT_BLOCKS=32, V_SKIP=dec,
+                                                 FUSED_ACC=cfg.decode_fused_acc),
+                  num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)
         build(tk._decode_merge_kernel, dtype, dict(HEAD_DIM=d, BLOCK_D=bd, NUM_HEADS=2 * group, SPLIT_TOKENS=2048),
               num_warps=1)
     print("compiled")

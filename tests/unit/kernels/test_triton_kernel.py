@@ -163,11 +163,11 @@ def _constexpr_params(kernel) -> set[str]:
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
     """λ (the law tensors), the scale, the soft-cap value, lengths and strides are runtime values; constexprs are
-    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_BRANCH, FUSED_ACC:
+    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_SKIP, FUSED_ACC:
     `LaunchConfig`'s code shape)."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
-        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_BRANCH", "FUSED_ACC",
+        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_SKIP", "FUSED_ACC",
     }  # fmt: skip
     params = _constexpr_params(getattr(triton_kernel, kernel))
     assert params and params <= allowed, params - allowed
@@ -247,14 +247,15 @@ def test_int64_metadata_and_padded_queries(backend):
     "config",
     [
         triton_kernel.LaunchConfig(prefill_block_q=128, prefill_warps=4, prefill_stages=3),
-        triton_kernel.LaunchConfig(prefill_v_branch=False, decode_v_branch=False, decode_warps=2),
+        triton_kernel.LaunchConfig(prefill_skip="predicated", decode_skip="predicated", decode_warps=2),
+        triton_kernel.LaunchConfig(prefill_skip="compute", decode_skip="compute", prefill_block_q=128),
         triton_kernel.LaunchConfig(prefill_block_q=128, prefill_fused_acc=True, decode_fused_acc=True,
-                                   prefill_v_branch=False, decode_stages=4),
+                                   prefill_skip="predicated", decode_stages=4),
     ],
-    ids=["rows128", "predicated-v", "fused-acc"],
+    ids=["rows128", "predicated", "compute", "fused-acc"],
 )
 def test_launch_configs_keep_decisions_and_rows(config):
-    """Every `LaunchConfig` (rows per prefill program, branch-free V skip, P·V accumulated in the dot) gives the
+    """Every `LaunchConfig` (rows per prefill program, skip modes, P·V accumulated in the dot) gives the
     oracle's counts exactly and its rows at fp32 tolerance, serving and calibrating; poisoned rows past total_q stay
     unwritten. Mixed batch: a 130-row chunk over 300 keys (two 128-row blocks, the second partial), decode across a
     split boundary (2100 keys), a 70-row prompt, a short decode."""
@@ -276,3 +277,8 @@ def test_launch_configs_keep_decisions_and_rows(config):
         else:
             assert torch.equal(counts, expected.counts)
             assert counts[..., 1].sum() > 0
+
+
+def test_launch_config_rejects_unknown_skip_mode():
+    with pytest.raises(ValueError, match="prefill_skip must be one of"):
+        triton_kernel.LaunchConfig(prefill_skip="maybe")

@@ -59,8 +59,9 @@ The skip geometry is fixed by the semantics (64-key tiles, 2048-key splits); how
 2 warps with 3 stages (s=0.7: 1.04-1.07x the old 4 warps x 2 stages); for D <= 64 (not measured) 64-row programs
 on 4 warps. Prefill counts its drops per row and sums them once after the loop (a sum over the program's rows is a
 cross-warp reduction per tile); decode keeps its per-tile sum (per row it was 1.3-1.6x slower there).
-Not kept: the branch-free skip (`v_branch=False`: V loads predicated off, P·V on zeros), which Triton 3.6 cannot
-pipeline in prefill (compile error) and which is 3-13 % slower in decode; P·V accumulated inside the dot (no change).
+Not kept: the branch-free skip (`predicated`: V loads masked off, P·V on zeros), which Triton 3.6 cannot pipeline
+in prefill (compile error: the mask depends on the tile's scores) and which is 3-13 % slower in decode; P·V
+accumulated inside the dot (no change). Not measured yet: `compute` (V loaded for every tile, outside the branch).
 Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
 "does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
 skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
@@ -161,6 +162,37 @@ def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl
 
 
 @triton.jit
+def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+                m_i, l_i, acc, s, tile_max, keep_row, MODE: tl.constexpr, V_SKIP: tl.constexpr,
+                FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr):  # fmt: skip
+    """Load the tile's V and fold the kept rows in. When serving (MODE 1) a tile no row keeps is skipped, per
+    V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded for every tile (so the load can be pipelined)
+    and a branch around exp and P·V; 2 no branch, the V load predicated off and the update run on zero
+    probabilities (the same result). Dense and calibration (every visited tile has a kept row) load and fold."""
+    if MODE == 1:
+        any_keep = tl.sum(keep_row.to(tl.int32), axis=0) > 0
+        if V_SKIP == 0:
+            if any_keep:
+                v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                                 stride_vd)  # fmt: skip
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        elif V_SKIP == 1:
+            v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                             stride_vd)  # fmt: skip
+            if any_keep:
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        else:
+            v = _load_v_tile(v_ptr, page_id, slot, k_in & any_keep, kv_head, offs_d, d_in, stride_vb, stride_vp,
+                             stride_vh, stride_vd)  # fmt: skip
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+    else:
+        v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                         stride_vd)  # fmt: skip
+        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS: tl.constexpr, MODE: tl.constexpr):
     """Per-sequence law values: (c_prefill, c_decode) per trial ([TRIALS_P2], MODE 2) or scalars, and γ."""
     base = log_sf_ptr + seq.to(tl.int64) * (N_TRIALS * 2)
@@ -201,11 +233,9 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, V_BRANCH: tl.constexpr, FUSED_ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
 ):  # fmt: skip
     # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
-    # V_BRANCH (serving only): skip a tile nobody keeps with a branch around the V load and P·V; else the V load is
-    # predicated off (no memory traffic) and the update runs on zero probabilities (same result, no branch).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -283,16 +313,10 @@ def _prefill_kernel(
             drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
             drops2 += drop2.to(tl.int32)
         m_split = tl.maximum(m_split, tile_max)
-        if (MODE == 1) & V_BRANCH:
-            if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
-                v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                                 stride_vd)  # fmt: skip
-                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
-        else:
-            v_in = k_in & (tl.sum(keep_row.to(tl.int32), axis=0) > 0)
-            v = _load_v_tile(v_ptr, page_id, slot, v_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                             stride_vd)  # fmt: skip
-            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        m_i, l_i, acc = _value_step(
+            v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+            m_i, l_i, acc, s, tile_max, keep_row, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -325,7 +349,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, V_BRANCH: tl.constexpr, FUSED_ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -402,16 +426,10 @@ def _decode_kernel(
                                droppable[:, None])  # fmt: skip
             n_drop += tl.sum(drop2.to(tl.int32), axis=0)
         m_split = tl.maximum(m_split, tile_max)
-        if (MODE == 1) & V_BRANCH:
-            if tl.sum(keep_row.to(tl.int32), axis=0) > 0:
-                v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                                 stride_vd)  # fmt: skip
-                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
-        else:
-            v_in = k_in & (tl.sum(keep_row.to(tl.int32), axis=0) > 0)
-            v = _load_v_tile(v_ptr, page_id, slot, v_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                             stride_vd)  # fmt: skip
-            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        m_i, l_i, acc = _value_step(
+            v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+            m_i, l_i, acc, s, tile_max, keep_row, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+        )  # fmt: skip
 
     if n_splits == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -467,21 +485,33 @@ def _decode_merge_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
+SKIP_MODES = {"branch": 0, "compute": 1, "predicated": 2}
+"""How a serving kernel skips a tile no row of its program keeps (`_value_step`): `branch` skips the V load, exp and
+P·V; `compute` loads V for every tile (a load Triton can pipeline) and skips exp and P·V; `predicated` has no branch
+(V load masked off, update on zero probabilities)."""
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How the Triton kernels are launched: rows per prefill program, warps, pipeline stages, and whether a tile
-    no row keeps is skipped by a branch or by a predicated V load. None of it changes decisions or counts (outputs
-    only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on a GPU."""
+    """How the Triton kernels are launched: rows per prefill program, warps, pipeline stages, how a tile no row
+    keeps is skipped (`SKIP_MODES`), and whether P·V accumulates inside the dot. None of it changes decisions or
+    counts (outputs only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on a GPU."""
 
     prefill_block_q: int = TILE_Q
     prefill_warps: int = 8
     prefill_stages: int = 2
-    prefill_v_branch: bool = True
+    prefill_skip: str = "branch"
     prefill_fused_acc: bool = False
     decode_warps: int = 4
     decode_stages: int = 2
-    decode_v_branch: bool = True
+    decode_skip: str = "branch"
     decode_fused_acc: bool = False
+
+    def __post_init__(self):
+        for name in ("prefill_skip", "decode_skip"):
+            value = getattr(self, name)
+            if value not in SKIP_MODES:
+                raise ValueError(f"LaunchConfig.{name} must be one of {sorted(SKIP_MODES)}, got {value!r}")
 
 
 def default_launch_config(head_dim: int) -> LaunchConfig:
@@ -629,7 +659,8 @@ def launch_triton(
             float(softmax_scale), float(softcap), batch, *common_strides,
             HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=block_q, BLOCK_K=TILE_K,
             SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
-            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, V_BRANCH=cfg.prefill_v_branch, FUSED_ACC=cfg.prefill_fused_acc,
+            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, V_SKIP=SKIP_MODES[cfg.prefill_skip],
+            FUSED_ACC=cfg.prefill_fused_acc,
             num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
         )  # fmt: skip
 
@@ -652,7 +683,7 @@ def launch_triton(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
         N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0,
-        V_BRANCH=cfg.decode_v_branch, FUSED_ACC=cfg.decode_fused_acc,
+        V_SKIP=SKIP_MODES[cfg.decode_skip], FUSED_ACC=cfg.decode_fused_acc,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
     )  # fmt: skip
     if max_splits > 1:
