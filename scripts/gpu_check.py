@@ -6,7 +6,8 @@ Run from the repository root on the GPU machine (nothing is installed from the n
     python scripts/gpu_check.py --wheels .whl            # logs into $OUT (or gpu_logs/<time>)
     python scripts/gpu_check.py --dry-run                # CPU rehearsal: collect the gpu tests, CPU bench
 
-Phases, each with its own timeout so the whole run stays under --budget seconds (default 450, i.e. 7.5 min);
+Phases, each with its own timeout so the whole run stays under --budget seconds (default 540, i.e. 9 min: with the
+machine's start it leaves about 5 of a session's 15 device minutes for a second, shorter run);
 a phase that times out is killed and the next one still runs, and every phase writes its log as it goes:
 
 1. environment  -> env.txt (python, torch, CUDA, GPU, triton, nvidia-smi)
@@ -18,19 +19,19 @@ a phase that times out is killed and the next one still runs, and every phase wr
 4. graphs       -> graphs.log, graphs/graphs.json|txt (benchmarks/bench_decode_graphs.py: the CUDA-graph self-test
                    the vLLM plugin runs at engine start, on the Triton kernel without vLLM, and decode latency eager
                    vs graph replay at batch 1/8/64 with 8k-token contexts; issue #26)
-5. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
-6. summary      -> summary.txt, summary.json (printed last)
+5. tune         -> tune.log, tune/tune.json|txt (benchmarks/tune_triton.py: the kernels' launch configurations and
+                   skip modes against the default in one run, through the launch path the vLLM plugin uses)
+6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
+7. summary      -> summary.txt, summary.json (printed last)
 
 First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an H200"). What a GPU must confirm
 (changes made without one; read the table with these in mind):
 
-- Skip semantics v2 (docs/skip_softmax.md): the Triton kernels now decide per row, compute ln λ per row from
-  runtime law tensors, keep two extra row maxima (anchor, split max), zero dropped rows' P in blocks some rows keep,
-  and read tile 0 once more per decode split (3 % more K reads at a full split). Their tile loop moved into shared
-  `@triton.jit` helpers (`_load_k_tile`, `_load_v_tile`, `_row_log_lambda`, `_drop_rows`,
-  `_online_softmax_update`), which Triton inlines. Expected: the dense (λ off) time unchanged within noise against
-  SDPA in the same run, no new register spills (the sm_90 compile test prints none), the realized-sparsity speedup
-  still tracking the 2/(2-s) bound, and one compiled variant per (shape, mode) whatever λ or the law.
+- 2026-12-04, after the H200 runs, not measured there: dense and calibration launches load V without a per-tile
+  reduction over the program's rows (expected: dense prefill at or below run 3's 10.0 ms at 16k); the `compute`
+  skip mode (V loaded for every tile, a branch around exp and P·V only), the candidate to make sparse prefill faster
+  than dense (run 3: 12.0 ms at s≈0.7 against 10.0 dense). The tune phase's table answers both; the fastest mode
+  that keeps "counts equal" becomes `default_launch_config`'s.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks" / "bench_kernels.py"
 GRAPHS = REPO / "benchmarks" / "bench_decode_graphs.py"
+TUNE = REPO / "benchmarks" / "tune_triton.py"
 
 
 class Runner:
@@ -285,7 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wheels", default=None, help="folder of wheels carried along (.whl); nothing is downloaded")
     p.add_argument("--pip-install", action="store_true",
                    help="pip install --no-index --no-deps --target instead of unzip")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
     p.add_argument("--tests-timeout", type=float, default=170.0)
     p.add_argument("--tests-path", default=None, help="default: tests (tests/unit with --dry-run)")
     p.add_argument("--bench-args", default="", help="extra arguments for bench_kernels.py, one string")
@@ -294,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-graphs", action="store_true")
     p.add_argument("--graphs-timeout", type=float, default=100.0)
+    p.add_argument("--skip-tune", action="store_true")
+    p.add_argument("--tune-timeout", type=float, default=130.0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU rehearsal: collect the gpu tests only and run the CPU benchmark (--quick)")
     args = p.parse_args(argv)
@@ -328,8 +332,11 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *gpu_test_files(REPO / tests_path), "-p",
                "no:cacheprovider", "-rA", "--continue-on-collection-errors", f"--junitxml={out / 'pytest.xml'}"]
         cmd += ["--collect-only", "-q"] if args.dry_run else ["-q"]
-        bench_reserve = (0 if args.skip_bench else (60 if args.dry_run else 200)) + (
-            0 if args.skip_graphs else min(args.graphs_timeout, 40 if args.dry_run else args.graphs_timeout))
+        bench_reserve = (
+            (0 if args.skip_bench else (60 if args.dry_run else 150))
+            + (0 if args.skip_graphs else min(args.graphs_timeout, 40 if args.dry_run else args.graphs_timeout))
+            + (0 if args.skip_tune else min(args.tune_timeout, 60 if args.dry_run else args.tune_timeout))
+        )
         timeout = min(args.tests_timeout, runner.left() - bench_reserve - 15)
         runner.run("gpu tests", cmd, timeout, env, "pytest.log")
     # Phase: CUDA graphs (self-test + eager vs replay latency).
@@ -338,6 +345,15 @@ def main(argv=None) -> int:
         cmd = [sys.executable, str(GRAPHS), "--device", "cpu" if args.dry_run else "cuda", "--out", str(out / "graphs")]
         cmd += ["--quick"] if args.dry_run else []
         runner.run("graphs", cmd, timeout, env, "graphs.log")
+    # Phase: launch-configuration sweep (ours against ours; before the benchmark, which fills what time is left).
+    if not args.skip_tune:
+        timeout = min(args.tune_timeout, runner.left() - (0 if args.skip_bench else 150) - 15)
+        cmd = [sys.executable, str(TUNE), "--out", str(out / "tune"), "--time-budget", f"{max(10.0, timeout - 30):.0f}"]
+        if args.dry_run:
+            cmd += ["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "decode:1:2200", "--heads", "2/1",
+                    "--configs", ";decode_skip=compute"]  # fmt: skip
+        tune_env = dict(env, TRITON_INTERPRET="1") if args.dry_run else env  # Triton runs as Python on a CPU
+        runner.run("tune", cmd, timeout, tune_env, "tune.log")
     # Phase: benchmark.
     bench_out = out / "bench"
     if not args.skip_bench:
@@ -390,6 +406,10 @@ def main(argv=None) -> int:
     if "graphs" in runner.phases:
         lines.append(f"graphs: {runner.phases['graphs']['status']}")
         lines += graphs_txt.read_text(encoding="utf-8").splitlines() if graphs_txt.is_file() else []
+    tune_txt = out / "tune" / "tune.txt"
+    if "tune" in runner.phases:
+        lines.append(f"tune: {runner.phases['tune']['status']}")
+        lines += tune_txt.read_text(encoding="utf-8").splitlines() if tune_txt.is_file() else []
     summary["bench_meta"] = meta
     summary["bench_rows"] = rows
     table_txt = bench_out / "table.txt"

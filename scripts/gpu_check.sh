@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check (details: scripts/gpu_check.py). Uses the wheels carried in .whl/ when present.
-# Usage: bash scripts/gpu_check.sh [--budget 420] [--quick] [--out DIR] [other gpu_check.py options]
+# Usage: bash scripts/gpu_check.sh [--budget 540] [--quick] [--out DIR] [other gpu_check.py options]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
