@@ -19,6 +19,9 @@ What it does, per shape (prefill: B=1, q_len == kv_len; decode: q_len == 1, equa
 4. Times (CUDA events after a GPU sleep so launch latency is hidden; median of many runs; inputs rotated
    over several copies so the working set exceeds L2): SDPA FLASH_ATTENTION / CUDNN_ATTENTION dense, ours
    dense, ours with skipping on but nothing skipped (tiny λ), ours at each λ, and ModelOpt at the same λ.
+   Ours is timed through the launch path the vLLM plugin uses (`ours_launch`: arguments normalised once,
+   persistent buffers); until 2026-12-04 it was timed through `paged_skip_softmax_attention`, whose per-call
+   host work showed in small decode calls on the H200 (B=1 at 128k: 0.15-0.43 ms against 0.13 ms).
 5. Prints a table (speedups beside the ideal bound 2/(2-s)) and writes results.json / results.csv /
    summary.csv / table.txt into --out, after every shape, so partial results survive a timeout.
 
@@ -279,6 +282,45 @@ def ours(inp: Inputs, lam, backend: str, **kw):
         backend=backend,
         **kw,
     )
+
+
+def ours_launch(inp: Inputs, lam_t, backend: str):
+    """Our kernel as the vLLM plugin launches it, for timing: arguments normalised once, persistent output, counts
+    and split workspace buffers, int32 metadata; a call is the kernel launch alone. (The public entry,
+    `paged_skip_softmax_attention`, also checks its inputs and builds the threshold tensors on every call: host work
+    that a small decode call on a GPU does not hide; it is still what the outputs and counts are checked with.)
+    Returns run(copy) for inputs of the same shape."""
+    from modelopt_ext.torch.kernels.sparsity.attention.api import _resolve_backend, kernel_launcher
+    from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
+        decode_workspace_numel,
+        default_prompt_lens,
+        normalize_thresholds,
+    )
+
+    s = inp.shape
+    device = inp.q.device
+    log_sf, gamma, calibrate = normalize_thresholds(
+        s.batch, device, skip_threshold=lam_t, return_skip_counts=lam_t is not None
+    )
+    prompts = default_prompt_lens(inp.cu_seqlens_q, inp.seq_lens_k)
+    out = torch.empty_like(inp.q)
+    counts = None if log_sf is None else torch.zeros(s.batch, 1, 2, dtype=torch.int64, device=device)
+    resolved = _resolve_backend(backend, inp.q, inp.k_cache)
+    workspace = None
+    if resolved == "triton":
+        n_acc, n_ml = decode_workspace_numel(s.batch, s.hq, s.head_dim, s.kv_len)
+        workspace = (torch.empty(n_acc, dtype=torch.float32, device=device),
+                     torch.empty(n_ml, dtype=torch.float32, device=device))  # fmt: skip
+    launch = kernel_launcher(resolved)
+
+    def run(c: Inputs):
+        return launch(
+            c.q, c.k_cache, c.v_cache, c.block_table, c.cu_seqlens_q, c.seq_lens_k, softmax_scale=c.scale,
+            log_sf=log_sf, gamma=gamma, prompt_lens=prompts, calibrate=calibrate, out=out, max_seqlen_k=s.kv_len,
+            counts=counts, workspace=workspace, decode_only=s.phase == "decode",
+        )  # fmt: skip
+
+    return run
 
 
 def sdpa_backends(device: str, fallback: bool = False) -> list[tuple[str, object]]:
@@ -722,7 +764,8 @@ def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, 
                 del o
             else:
                 r["sparsity"] = 0.0
-            r.update(time_fn(lambda i, lam_t=lam_t: ours(copies[i], lam_t, backend), n_copies, device, args))
+            run = ours_launch(inp0, lam_t, backend)
+            r.update(time_fn(lambda i, run=run: run(copies[i]), n_copies, device, args))
             if lam is not None and backend == "triton":
                 ours_snaps.append(count_triton_variants(our_triton_module()))
         except Exception as exc:
