@@ -3,7 +3,7 @@
 
 Never a timed test. It answers which launch parameters to make the default on a GPU: rows per prefill program
 (64 or 128), warps, pipeline stages, and how a serving kernel skips a tile no row keeps (`SKIP_MODES`: a branch
-around the V load, exp and P·V; V loaded for every tile and a branch around exp and P·V; or no branch at all).
+around the V load, exp and P·V; V loaded and P·V run for every tile, a branch around the exp only; or no branch).
 None of them changes skip decisions or counts; the sweep checks that against the default configuration.
 
     python benchmarks/tune_triton.py --out gpu_logs/tune                  # on the GPU (about 3 minutes)
@@ -46,10 +46,10 @@ PREFILL_SWEEP = [
     (64, 8, 2, "branch", False),
     (64, 4, 2, "branch", False),
     (128, 8, 3, "branch", False),
-    (128, 8, 2, "compute", False),
-    (128, 8, 3, "compute", False),
-    (64, 4, 2, "compute", False),
-    (64, 4, 3, "compute", False),
+    (128, 8, 2, "exp", False),
+    (128, 8, 3, "exp", False),
+    (64, 4, 2, "exp", False),
+    (64, 4, 3, "exp", False),
     (128, 8, 2, "predicated", False),
 ]
 
@@ -68,7 +68,7 @@ def prefill_configs(head_dim: int) -> list[tk.LaunchConfig]:
 def decode_configs(head_dim: int) -> list[tk.LaunchConfig]:
     base = tk.default_launch_config(head_dim)
     out = [base]
-    for warps, stages, skip in itertools.product((2, 4), (2, 3, 4), ("branch", "compute", "predicated")):
+    for warps, stages, skip in itertools.product((2, 4), (2, 3, 4), ("branch", "exp", "predicated")):
         cfg = dataclasses.replace(base, decode_warps=warps, decode_stages=stages, decode_skip=skip)
         if cfg not in out:
             out.append(cfg)
@@ -175,7 +175,7 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rec["rows"].append(row)
         log(f"  {row}")
-    # the dense time of a compute / predicated twin is its branch twin's
+    # the dense time of an exp / predicated twin is its branch twin's
     by_label = {r["config"]: r for r in rec["rows"]}
     for r in rec["rows"]:
         head, _, mode = r["config"].rpartition(" ")

@@ -90,7 +90,7 @@ def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
     text = (out / "summary.txt").read_text()
     assert "GPU CHECK SUMMARY" in text and "gpu tests:" in text and "benchmark: ok" in text
     assert "graphs: ok" in text and "self-test float32: passed" in text
-    assert "tune: ok" in text and "w2 s3 compute" in text and "counts equal" in text
+    assert "tune: ok" in text and "w2 s3 exp" in text and "counts equal" in text
     assert "prefill B=1 L=1k" in text and "decode B=2 L=2k" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phases"]["benchmark"]["status"] == "ok"

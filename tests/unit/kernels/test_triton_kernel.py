@@ -249,11 +249,11 @@ def test_int64_metadata_and_padded_queries(backend):
     [
         triton_kernel.LaunchConfig(prefill_block_q=128, prefill_warps=4, prefill_stages=3),
         triton_kernel.LaunchConfig(prefill_skip="predicated", decode_skip="predicated", decode_warps=2),
-        triton_kernel.LaunchConfig(prefill_skip="compute", decode_skip="compute", prefill_block_q=128),
+        triton_kernel.LaunchConfig(prefill_skip="exp", decode_skip="exp", prefill_block_q=128),
         triton_kernel.LaunchConfig(prefill_block_q=128, prefill_fused_acc=True, decode_fused_acc=True,
                                    prefill_skip="predicated", decode_stages=4),
     ],
-    ids=["rows128", "predicated", "compute", "fused-acc"],
+    ids=["rows128", "predicated", "exp", "fused-acc"],
 )
 def test_launch_configs_keep_decisions_and_rows(config):
     """Every `LaunchConfig` (rows per prefill program, skip modes, P·V accumulated in the dot) gives the

@@ -61,7 +61,9 @@ on 4 warps. Prefill counts its drops per row and sums them once after the loop (
 cross-warp reduction per tile); decode keeps its per-tile sum (per row it was 1.3-1.6x slower there).
 Not kept: the branch-free skip (`predicated`: V loads masked off, P·V on zeros), which Triton 3.6 cannot pipeline
 in prefill (compile error: the mask depends on the tile's scores) and which is 3-13 % slower in decode; P·V
-accumulated inside the dot (no change). Not measured yet: `compute` (V loaded for every tile, outside the branch).
+accumulated inside the dot (no change). Not measured yet: `exp` (V loaded and P·V run for every tile, only the exp
+skipped), the one serving mode whose V load Triton software-pipelines (sm_90 TTGIR: an async copy, as in dense
+launches; `branch` leaves V a synchronous load), measured offline by tests/unit/kernels/test_triton_compile.py.
 Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
 "does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
 skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
@@ -138,27 +140,36 @@ def _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable):
 
 
 @triton.jit
-def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
-    """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator).
-
-    FUSED: the rescaled accumulator is the dot's accumulator input (one MMA chain, as flash-attention kernels do);
-    else P·V is added after (the same sum in another fp32 order)."""
+def _softmax_step(m_i, l_i, s, tile_max, keep_row):
+    """The online-softmax part of folding a score tile in: new row max and sum, probabilities P of the kept rows
+    (zero elsewhere) and the factor alpha that rescales the accumulator."""
     m_new = tl.where(keep_row, tl.maximum(m_i, tile_max), m_i)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.where(keep_row[:, None], tl.exp(s - m_safe[:, None]), 0.0)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
+    """acc · alpha + P·V. FUSED: the rescaled accumulator is the dot's accumulator input (one MMA chain, as
+    flash-attention kernels do); else P·V is added after (the same sum in another fp32 order)."""
     if FUSED:
         if FP32_DOT:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        return m_new, l_i, acc
+            return tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        return tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     if FP32_DOT:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
+    """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator)."""
+    m_new, l_new, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row)
+    return m_new, l_new, _accumulate(acc, alpha, p, v, FP32_DOT, FUSED)
 
 
 @triton.jit
@@ -166,9 +177,11 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
                 m_i, l_i, acc, s, tile_max, keep_row, MODE: tl.constexpr, V_SKIP: tl.constexpr,
                 FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr):  # fmt: skip
     """Load the tile's V and fold the kept rows in. When serving (MODE 1) a tile no row keeps is skipped, per
-    V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded for every tile (so the load can be pipelined)
-    and a branch around exp and P·V; 2 no branch, the V load predicated off and the update run on zero
-    probabilities (the same result). Dense and calibration (every visited tile has a kept row) load and fold."""
+    V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded and P·V run for every tile, a branch around the
+    exp only (P = 0 and alpha = 1 for a skipped tile: acc unchanged), so Triton software-pipelines the V load as in
+    dense launches (it does not pipeline a load whose only user sits inside the branch, even one issued before it);
+    2 no branch, the V load predicated off and the update run on zero probabilities (the same result). Dense and
+    calibration (every visited tile has a kept row) load and fold."""
     if MODE == 1:
         any_keep = tl.sum(keep_row.to(tl.int32), axis=0) > 0
         if V_SKIP == 0:
@@ -179,8 +192,11 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
         elif V_SKIP == 1:
             v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                              stride_vd)  # fmt: skip
+            p = tl.zeros(s.shape, tl.float32)
+            alpha = tl.full(m_i.shape, 1.0, tl.float32)
             if any_keep:
-                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+                m_i, l_i, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row)
+            acc = _accumulate(acc, alpha, p, v, FP32_DOT, FUSED_ACC)
         else:
             v = _load_v_tile(v_ptr, page_id, slot, k_in & any_keep, kv_head, offs_d, d_in, stride_vb, stride_vp,
                              stride_vh, stride_vd)  # fmt: skip
@@ -485,10 +501,11 @@ def _decode_merge_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-SKIP_MODES = {"branch": 0, "compute": 1, "predicated": 2}
+SKIP_MODES = {"branch": 0, "exp": 1, "predicated": 2}
 """How a serving kernel skips a tile no row of its program keeps (`_value_step`): `branch` skips the V load, exp and
-P·V; `compute` loads V for every tile (a load Triton can pipeline) and skips exp and P·V; `predicated` has no branch
-(V load masked off, update on zero probabilities)."""
+P·V; `exp` loads V and runs P·V for every tile and skips the exp only (the one mode whose V load Triton
+software-pipelines when serving, as in dense launches); `predicated` has no branch (V load masked off, update on
+zero probabilities; Triton 3.6 and 3.8 cannot pipeline it for prefill on sm_90)."""
 
 
 @dataclass(frozen=True)
