@@ -298,7 +298,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-graphs", action="store_true")
     p.add_argument("--graphs-timeout", type=float, default=100.0)
     p.add_argument("--skip-tune", action="store_true")
-    p.add_argument("--tune-timeout", type=float, default=130.0)
+    p.add_argument("--tune-timeout", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU rehearsal: collect the gpu tests only and run the CPU benchmark (--quick)")
     args = p.parse_args(argv)
