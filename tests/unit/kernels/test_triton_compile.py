@@ -74,14 +74,19 @@ SCRIPT = PREAMBLE + textwrap.dedent(
 )
 
 
-def test_kernels_compile_for_sm90():
+def _run_compiled(script: str) -> str:
+    """stdout of `script` in a process without TRITON_INTERPRET (the test process imported Triton under it)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("Triton's bundled ptxas is missing")
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "compiled" in res.stdout
+    return res.stdout
+
+
+def test_kernels_compile_for_sm90():
+    assert "compiled" in _run_compiled(SCRIPT)
 
 
 PIPELINE_SCRIPT = PREAMBLE + textwrap.dedent(
@@ -102,11 +107,5 @@ def test_prefill_loads_are_software_pipelined_for_sm90():
     """Triton pipelines (async-copies ahead) the prefill K and V loads of dense launches and of the `exp` skip mode;
     with `branch` only K (V's one user sits inside the branch). What the skip modes are for: if a Triton release
     changes this, the trade-off between them changes and `benchmarks/tune_triton.py` should be run again."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", PIPELINE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("Triton's bundled ptxas is missing")
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = res.stdout.splitlines()
-    assert lines == ["mode 0 branch K V", "mode 1 branch K -", "mode 1 exp K V"], res.stdout
+    out = _run_compiled(PIPELINE_SCRIPT)
+    assert out.splitlines() == ["mode 0 branch K V", "mode 1 branch K -", "mode 1 exp K V"], out
