@@ -64,6 +64,10 @@ in prefill (compile error: the mask depends on the tile's scores) and which is 3
 accumulated inside the dot (no change). Not measured yet: `exp` (V loaded and P·V run for every tile, only the exp
 skipped), the one serving mode whose V load Triton software-pipelines (sm_90 TTGIR: an async copy, as in dense
 launches; `branch` leaves V a synchronous load), measured offline by tests/unit/kernels/test_triton_compile.py.
+Since then, not measured on a GPU: scores stay in Q·K units and the scale (times log2(e)) is folded into the exp2's
+one FMA per element (was a multiply, a subtract and the exp's own multiply; 166 -> 107 fp32 ALU instructions per
+thread in the sm_90 PTX of a 128-row dense prefill program); the tile's row max is scaled instead, which gives the
+same value (rounding is monotonic), so skip decisions do not change.
 Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
 "does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
 skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
@@ -82,6 +86,7 @@ import triton.language as tl
 from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q
 
 MIN_HEAD_DIM = 16
+LOG2E = tl.constexpr(1.4426950408889634)
 MAX_HEAD_DIM = 256
 MIN_PAGE_SIZE = 16
 
@@ -111,17 +116,27 @@ def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, s
 
 @triton.jit
 def _scores(q, kt, softmax_scale, softcap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores of a tile in units of `_score_unit`: Q·K as is (the scale is applied per row to the tile's max, and
+    folded with log2(e) into the exp's one FMA per element), or capped scaled scores."""
     if FP32_DOT:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
         s = tl.dot(q, kt)
-    s = s * softmax_scale
     if SOFTCAP:  # cap·tanh(s / cap), tanh from exp(-2|x|) (no overflow)
-        x = s / softcap
+        x = s * softmax_scale / softcap
         e = tl.exp(-2.0 * tl.abs(x))
         t = (1.0 - e) / (1.0 + e)
         s = softcap * tl.where(x < 0, -t, t)
     return s
+
+
+@triton.jit
+def _score_unit(softmax_scale, SOFTCAP: tl.constexpr):
+    """What a `_scores` value times gives the scaled score. A row max times it is exactly the max of the scaled
+    scores (rounding is monotonic and the scale positive), so skip decisions see the same values as before."""
+    if SOFTCAP:
+        return 1.0
+    return softmax_scale
 
 
 @triton.jit
@@ -140,13 +155,14 @@ def _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable):
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, s, tile_max, keep_row):
+def _softmax_step(m_i, l_i, s, tile_max, keep_row, unit):
     """The online-softmax part of folding a score tile in: new row max and sum, probabilities P of the kept rows
-    (zero elsewhere) and the factor alpha that rescales the accumulator."""
+    (zero elsewhere) and the factor alpha that rescales the accumulator. `s` is in `_score_unit`s: P is
+    exp2(s · unit · log2(e) - m · log2(e)), one FMA and one exp2 per element."""
     m_new = tl.where(keep_row, tl.maximum(m_i, tile_max), m_i)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
-    p = tl.where(keep_row[:, None], tl.exp(s - m_safe[:, None]), 0.0)
+    p = tl.where(keep_row[:, None], tl.exp2(s * (unit * LOG2E) - (m_safe * LOG2E)[:, None]), 0.0)
     return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
 
 
@@ -166,15 +182,16 @@ def _accumulate(acc, alpha, p, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT: tl.constexpr, FUSED: tl.constexpr):
+def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT: tl.constexpr,
+                           FUSED: tl.constexpr):  # fmt: skip
     """Fold the kept rows of a score tile `s` [R, BLOCK_K] and its V into the running (max, sum, accumulator)."""
-    m_new, l_new, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row)
+    m_new, l_new, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row, unit)
     return m_new, l_new, _accumulate(acc, alpha, p, v, FP32_DOT, FUSED)
 
 
 @triton.jit
 def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-                m_i, l_i, acc, s, tile_max, keep_row, MODE: tl.constexpr, V_SKIP: tl.constexpr,
+                m_i, l_i, acc, s, tile_max, keep_row, unit, MODE: tl.constexpr, V_SKIP: tl.constexpr,
                 FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr):  # fmt: skip
     """Load the tile's V and fold the kept rows in. When serving (MODE 1) a tile no row keeps is skipped, per
     V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded and P·V run for every tile, a branch around the
@@ -188,23 +205,25 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
             if any_keep:
                 v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                                  stride_vd)  # fmt: skip
-                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT,
+                                                       FUSED_ACC)
         elif V_SKIP == 1:
             v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                              stride_vd)  # fmt: skip
             p = tl.zeros(s.shape, tl.float32)
             alpha = tl.full(m_i.shape, 1.0, tl.float32)
             if any_keep:
-                m_i, l_i, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row)
+                m_i, l_i, p, alpha = _softmax_step(m_i, l_i, s, tile_max, keep_row, unit)
             acc = _accumulate(acc, alpha, p, v, FP32_DOT, FUSED_ACC)
         else:
             v = _load_v_tile(v_ptr, page_id, slot, k_in & any_keep, kv_head, offs_d, d_in, stride_vb, stride_vp,
                              stride_vh, stride_vd)  # fmt: skip
-            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+            m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT,
+                                                   FUSED_ACC)
     else:
         v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                          stride_vd)  # fmt: skip
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, v, FP32_DOT, FUSED_ACC)
+        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT, FUSED_ACC)
     return m_i, l_i, acc
 
 
@@ -307,6 +326,7 @@ def _prefill_kernel(
     drops2 = tl.zeros([BLOCK_Q, TRIALS_P2], tl.int32)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    unit = _score_unit(softmax_scale, SOFTCAP)
     for kb in range(0, n_kblocks):
         kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_in = kpos < kv_len
@@ -315,7 +335,7 @@ def _prefill_kernel(
         )
         s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
-        tile_max = tl.max(s, axis=1)
+        tile_max = tl.max(s, axis=1) * unit
         valid = row_in & (kb * BLOCK_K <= pos)
         m_anchor = tl.where(kb == 0, tile_max, m_anchor)
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
@@ -331,7 +351,7 @@ def _prefill_kernel(
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -404,6 +424,7 @@ def _decode_kernel(
             log_lam2 = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    unit = _score_unit(softmax_scale, SOFTCAP)
     m_anchor = tl.full([BLOCK_G], float("-inf"), tl.float32)
     if (MODE != 0) & (split > 0):  # the anchor of this split's rows: tile 0's max
         kpos0 = tl.arange(0, BLOCK_K)
@@ -412,7 +433,7 @@ def _decode_kernel(
             k_ptr, bt_row, kpos0, k_in0, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
         s0 = tl.where(k_in0[None, :], _scores(q, kt0, softmax_scale, softcap, FP32_DOT, SOFTCAP), float("-inf"))
-        m_anchor = tl.max(s0, axis=1)
+        m_anchor = tl.max(s0, axis=1) * unit
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     m_split = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -429,7 +450,7 @@ def _decode_kernel(
         )
         s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
         s = tl.where(k_in[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_K]
-        tile_max = tl.max(s, axis=1)
+        tile_max = tl.max(s, axis=1) * unit
         m_anchor = tl.where(kb == 0, tile_max, m_anchor)
         droppable = g_in & (kb > 0)
         keep_row = g_in
@@ -444,7 +465,7 @@ def _decode_kernel(
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
         )  # fmt: skip
 
     if n_splits == 1:
