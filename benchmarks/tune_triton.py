@@ -39,8 +39,8 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import (  # noqa: E
     normalize_thresholds,
 )
 
-# (rows per program, warps, stages, skip mode, P·V accumulated in the dot): after the default, the launches measured
-# on an H200 on 2026-12-04 (docs/benchmarks.md) and the skip modes not measured there yet.
+# (rows per program, warps, stages, skip mode, causal mask only on the diagonal tiles): after the default, the
+# launches measured on an H200 on 2026-12-04 (docs/benchmarks.md) and the options not measured there yet.
 PREFILL_SWEEP = [
     (64, 8, 2, "branch", False),
     (64, 4, 2, "branch", False),
@@ -48,7 +48,9 @@ PREFILL_SWEEP = [
     (128, 8, 2, "exp", False),
     (128, 8, 3, "exp", False),
     (64, 4, 2, "exp", False),
-    (64, 4, 3, "exp", False),
+    (128, 8, 2, "branch", True),
+    (128, 8, 2, "exp", True),
+    (128, 8, 3, "exp", True),
     (128, 8, 2, "predicated", False),
 ]
 
@@ -56,9 +58,9 @@ PREFILL_SWEEP = [
 def prefill_configs(head_dim: int) -> list[tk.LaunchConfig]:
     base = tk.default_launch_config(head_dim)
     out = [base]
-    for bq, warps, stages, skip, fused in PREFILL_SWEEP:
+    for bq, warps, stages, skip, split in PREFILL_SWEEP:
         cfg = dataclasses.replace(base, prefill_block_q=bq, prefill_warps=warps, prefill_stages=stages,
-                                  prefill_skip=skip, prefill_fused_acc=fused)  # fmt: skip
+                                  prefill_skip=skip, prefill_split_causal=split)  # fmt: skip
         if cfg not in out:
             out.append(cfg)
     return out
@@ -89,7 +91,7 @@ def parse_configs(text: str, head_dim: int) -> list[tk.LaunchConfig]:
             key, value = pair.split("=")
             if key.endswith("_skip"):
                 kw[key] = value
-            elif key.endswith("_acc"):
+            elif key.endswith(("_acc", "_causal")):
                 kw[key] = value.lower() in ("1", "true", "yes")
             else:
                 kw[key] = int(value)
@@ -101,8 +103,8 @@ def parse_configs(text: str, head_dim: int) -> list[tk.LaunchConfig]:
 
 def label(cfg: tk.LaunchConfig, phase: str) -> str:
     if phase == "prefill":
-        fused = " fused" if cfg.prefill_fused_acc else ""
-        return f"q{cfg.prefill_block_q} w{cfg.prefill_warps} s{cfg.prefill_stages}{fused} {cfg.prefill_skip}"
+        extra = (" fused" if cfg.prefill_fused_acc else "") + (" split" if cfg.prefill_split_causal else "")
+        return f"q{cfg.prefill_block_q} w{cfg.prefill_warps} s{cfg.prefill_stages}{extra} {cfg.prefill_skip}"
     return f"w{cfg.decode_warps} s{cfg.decode_stages} {cfg.decode_skip}"
 
 

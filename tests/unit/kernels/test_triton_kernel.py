@@ -164,11 +164,11 @@ def _constexpr_params(kernel) -> set[str]:
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
     """λ (the law tensors), the scale, the soft-cap value, lengths and strides are runtime values; constexprs are
-    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_SKIP, FUSED_ACC:
-    `LaunchConfig`'s code shape)."""
+    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_SKIP, FUSED_ACC,
+    SPLIT_CAUSAL: `LaunchConfig`'s code shape)."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
-        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_SKIP", "FUSED_ACC",
+        "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_SKIP", "FUSED_ACC", "SPLIT_CAUSAL",
     }  # fmt: skip
     params = _constexpr_params(getattr(triton_kernel, kernel))
     assert params and params <= allowed, params - allowed
@@ -252,15 +252,18 @@ def test_int64_metadata_and_padded_queries(backend):
         triton_kernel.LaunchConfig(prefill_skip="exp", decode_skip="exp", prefill_block_q=128),
         triton_kernel.LaunchConfig(prefill_block_q=128, prefill_fused_acc=True, decode_fused_acc=True,
                                    prefill_skip="predicated", decode_stages=4),
+        triton_kernel.LaunchConfig(prefill_split_causal=True),
+        triton_kernel.LaunchConfig(prefill_split_causal=True, prefill_block_q=128, prefill_skip="exp"),
     ],
-    ids=["rows128", "predicated", "exp", "fused-acc"],
+    ids=["rows128", "predicated", "exp", "fused-acc", "split-causal", "split-causal-rows128-exp"],
 )
 def test_launch_configs_keep_decisions_and_rows(config):
     """Every `LaunchConfig` (rows per prefill program, skip modes, P·V accumulated in the dot) gives the
     oracle's counts exactly and its rows at fp32 tolerance, serving and calibrating; poisoned rows past total_q stay
-    unwritten. Mixed batch: a 130-row chunk over 300 keys (two 128-row blocks, the second partial), decode across a
-    split boundary (2100 keys), a 70-row prompt, a short decode."""
-    case = make_case([130, 1, 70, 1], [300, 2100, 70, 40], hq=4, hkv=2, d=32, page=16, seed=29)
+    unwritten. Mixed batch: a 130-row chunk over 2300 keys (two 128-row blocks, the second partial; whole tiles past
+    a split boundary before the diagonal ones), decode across a split boundary (2100 keys), a 70-row prompt, a short
+    decode."""
+    case = make_case([130, 1, 70, 1], [2300, 2100, 70, 40], hq=4, hkv=2, d=32, page=16, seed=29)
     lams = safe_lambdas(case, torch.tensor([0.3, 0.05, 0.2, 0.5]))
     log_lams = log_lams_tensor(lams, case.batch)
     trials = safe_lambdas(case, torch.tensor([1e-3, 0.1, 0.6]).expand(case.batch, -1).contiguous())
@@ -290,9 +293,10 @@ def test_launch_config_rejects_unknown_skip_mode():
 @pytest.mark.parametrize("skip", sorted(triton_kernel.SKIP_MODES))
 @pytest.mark.parametrize("rows", [64, 128])
 def test_gpu_skip_modes_match_reference(skip, rows):
-    """Each skip mode, with 64- and 128-row prefill programs, compiles on the GPU's Triton and serves what the
-    reference serves (bf16, exact counts). On the H200 of 2026-12-04 (Triton 3.6) `predicated` prefill did not
-    compile with pipelining ("pipeliner doesn't know how to predicate" the wgmma): expected to fail there."""
+    """Each skip mode, with 64-row prefill programs and with 128-row ones that run their whole tiles unmasked
+    (`prefill_split_causal`), compiles on the GPU's Triton and serves what the reference serves (bf16, exact
+    counts). On the H200 of 2026-12-04 (Triton 3.6) `predicated` prefill did not compile with pipelining
+    ("pipeliner doesn't know how to predicate" the wgmma): expected to fail there."""
     if skip == "predicated":
         pytest.xfail("Triton 3.6 on sm_90 cannot pipeline the predicated prefill (docs/benchmarks.md)")
     case = make_case([300, 1, 77, 1], [900, 5000, 77, 2049], hq=8, hkv=2, d=128, page=16, dtype=torch.bfloat16,
@@ -300,7 +304,8 @@ def test_gpu_skip_modes_match_reference(skip, rows):
     lams = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.3, 0.01]))
     case = _to_cuda(case)
     config = triton_kernel.LaunchConfig(prefill_block_q=rows, prefill_warps=8 if rows == 128 else 4,
-                                        prefill_skip=skip, decode_skip=skip, decode_warps=2, decode_stages=3)
+                                        prefill_split_causal=rows == 128, prefill_skip=skip, decode_skip=skip,
+                                        decode_warps=2, decode_stages=3)
     law = backend_law(case, log_lams_tensor(lams, case.batch).cuda())
     outs = []
     triton_launch = functools.partial(triton_kernel.launch_triton, config=config)

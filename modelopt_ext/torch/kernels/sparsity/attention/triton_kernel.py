@@ -67,7 +67,9 @@ launches; `branch` leaves V a synchronous load), measured offline by tests/unit/
 Since then, not measured on a GPU: scores stay in Q·K units and the scale (times log2(e)) is folded into the exp2's
 one FMA per element (was a multiply, a subtract and the exp's own multiply; 166 -> 107 fp32 ALU instructions per
 thread in the sm_90 PTX of a 128-row dense prefill program); the tile's row max is scaled instead, which gives the
-same value (rounding is monotonic), so skip decisions do not change.
+same value (rounding is monotonic), so skip decisions do not change. `prefill_split_causal` (off by default, not
+measured): a prefill program walks the tiles all its rows see whole in a first loop without the causal and length
+masks, then the diagonal ones (both loops still pipelined; serving `branch` prefill 244 -> 205 registers).
 Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
 "does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
 skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
@@ -256,6 +258,47 @@ def _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS: tl.constex
 # --------------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
+                  unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                  stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
+                  PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MODE: tl.constexpr,
+                  FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
+                  MASKED: tl.constexpr):  # fmt: skip
+    """One key tile of a prefill program: scores, decisions, softmax and P·V. MASKED: the causal and length masks;
+    without, the caller guarantees every row of the block sees every key of the tile (rows past the sequence's
+    end stay out through `row_in`)."""
+    kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_in = kpos < kv_len
+    kt, page_id, slot = _load_k_tile(
+        k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
+    )
+    s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
+    if MASKED:
+        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
+        valid = row_in & (kb * BLOCK_K <= pos)
+    else:
+        valid = row_in
+    tile_max = tl.max(s, axis=1) * unit
+    m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+    m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
+    droppable = valid & (kb > 0)
+    keep_row = valid
+    if MODE == 1:
+        drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
+        keep_row = valid & ~drop
+        drops += drop.to(tl.int32)
+    if MODE == 2:
+        drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
+        drops2 += drop2.to(tl.int32)
+    m_split = tl.maximum(m_split, tile_max)
+    m_i, l_i, acc = _value_step(
+        v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+        m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+    )  # fmt: skip
+    return m_i, m_anchor, m_split, l_i, acc, drops, drops2
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
@@ -268,7 +311,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr, SPLIT_CAUSAL: tl.constexpr,
 ):  # fmt: skip
     # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
@@ -327,31 +370,22 @@ def _prefill_kernel(
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     unit = _score_unit(softmax_scale, SOFTCAP)
-    for kb in range(0, n_kblocks):
-        kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_in = kpos < kv_len
-        kt, page_id, slot = _load_k_tile(
-            k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
-        )
-        s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
-        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
-        tile_max = tl.max(s, axis=1) * unit
-        valid = row_in & (kb * BLOCK_K <= pos)
-        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
-        m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
-        droppable = valid & (kb > 0)
-        keep_row = valid
-        if MODE == 1:
-            drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
-            keep_row = valid & ~drop
-            drops += drop.to(tl.int32)
-        if MODE == 2:
-            drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
-            drops2 += drop2.to(tl.int32)
-        m_split = tl.maximum(m_split, tile_max)
-        m_i, l_i, acc = _value_step(
-            v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+    kb_masked = 0
+    if SPLIT_CAUSAL:  # tiles every row of the block sees whole (keys <= the first row's position): no mask
+        kb_masked = tl.minimum((kv_len - q_len + q_block * BLOCK_Q + 1) // BLOCK_K, n_kblocks)
+        for kb in range(0, kb_masked):
+            m_i, m_anchor, m_split, l_i, acc, drops, drops2 = _prefill_tile(
+                kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
+                unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
+                PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False,
+            )  # fmt: skip
+    for kb in range(kb_masked, n_kblocks):
+        m_i, m_anchor, m_split, l_i, acc, drops, drops2 = _prefill_tile(
+            kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
+            unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+            stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
+            PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -532,14 +566,17 @@ zero probabilities; Triton 3.6 and 3.8 cannot pipeline it for prefill on sm_90).
 @dataclass(frozen=True)
 class LaunchConfig:
     """How the Triton kernels are launched: rows per prefill program, warps, pipeline stages, how a tile no row
-    keeps is skipped (`SKIP_MODES`), and whether P·V accumulates inside the dot. None of it changes decisions or
-    counts (outputs only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on a GPU."""
+    keeps is skipped (`SKIP_MODES`), whether P·V accumulates inside the dot, and whether a prefill program walks the
+    tiles all its rows see whole in a loop without the causal mask (`prefill_split_causal`). None of it changes
+    decisions or counts (outputs only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on
+    a GPU."""
 
     prefill_block_q: int = TILE_Q
     prefill_warps: int = 8
     prefill_stages: int = 2
     prefill_skip: str = "branch"
     prefill_fused_acc: bool = False
+    prefill_split_causal: bool = False
     decode_warps: int = 4
     decode_stages: int = 2
     decode_skip: str = "branch"
@@ -698,7 +735,7 @@ def launch_triton(
             HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=block_q, BLOCK_K=TILE_K,
             SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
             FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, V_SKIP=SKIP_MODES[cfg.prefill_skip],
-            FUSED_ACC=cfg.prefill_fused_acc,
+            FUSED_ACC=cfg.prefill_fused_acc, SPLIT_CAUSAL=cfg.prefill_split_causal,
             num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
         )  # fmt: skip
 
