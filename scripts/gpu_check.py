@@ -31,8 +31,9 @@ First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an 
   reduction over the program's rows (expected: dense prefill at or below run 3's 10.0 ms at 16k); the `exp` skip
   mode (V loaded and P·V run for every tile, only the exp skipped: the one serving mode whose V load Triton
   software-pipelines), the candidate to make sparse prefill faster than dense (run 3: 12.0 ms at s≈0.7 against
-  10.0 dense). The tune phase's table answers both; the fastest mode that keeps "counts equal" becomes
-  `default_launch_config`'s.
+  10.0 dense); `prefill_split_causal` (whole tiles in a loop without the causal mask); scores in Q·K units with the
+  scale and log2(e) folded into the exp2's FMA (fewer ALU instructions per element). The tune phase's table
+  answers these; the fastest launch that keeps "counts equal" becomes `default_launch_config`'s.
 """
 
 from __future__ import annotations
