@@ -88,9 +88,9 @@ import triton.language as tl
 from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q
 
 MIN_HEAD_DIM = 16
-LOG2E = tl.constexpr(1.4426950408889634)
 MAX_HEAD_DIM = 256
 MIN_PAGE_SIZE = 16
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -589,15 +589,14 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name} must be one of {sorted(SKIP_MODES)}, got {value!r}")
 
 
+@functools.cache
 def default_launch_config(head_dim: int) -> LaunchConfig:
     """The launch configuration used when the caller passes none (measured on an H200, see the module docstring):
     128-row prefill programs on 8 warps for D > 64 (64 rows on 4 warps below, not measured), decode on 2 warps
-    with 3 stages, tiles nobody keeps skipped by a branch."""
+    with 3 stages, tiles nobody keeps skipped by a branch. Made once per head size (every launch asks for it)."""
     if head_dim > 64:
         return LaunchConfig(prefill_block_q=128, prefill_warps=8, prefill_stages=2, decode_warps=2, decode_stages=3)
     return LaunchConfig(prefill_block_q=64, prefill_warps=4, prefill_stages=2, decode_warps=2, decode_stages=3)
-
-
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
