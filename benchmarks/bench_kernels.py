@@ -284,12 +284,13 @@ def ours(inp: Inputs, lam, backend: str, **kw):
     )
 
 
-def ours_launch(inp: Inputs, lam_t, backend: str):
+def ours_launch(inp: Inputs, lam_t, backend: str, **launch_kw):
     """Our kernel as the vLLM plugin launches it, for timing: arguments normalised once, persistent output, counts
     and split workspace buffers, int32 metadata; a call is the kernel launch alone. (The public entry,
     `paged_skip_softmax_attention`, also checks its inputs and builds the threshold tensors on every call: host work
     that a small decode call on a GPU does not hide; it is still what the outputs and counts are checked with.)
-    Returns run(copy) for inputs of the same shape."""
+    `launch_kw` go to the launch (e.g. the Triton kernels' `config`). Returns run(copy) -> (out, counts) for inputs
+    of the same shape; both are the persistent buffers, rewritten by the next call."""
     from modelopt_ext.torch.kernels.sparsity.attention.api import _resolve_backend, kernel_launcher
     from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
         decode_workspace_numel,
@@ -314,11 +315,12 @@ def ours_launch(inp: Inputs, lam_t, backend: str):
     launch = kernel_launcher(resolved)
 
     def run(c: Inputs):
-        return launch(
+        launch(
             c.q, c.k_cache, c.v_cache, c.block_table, c.cu_seqlens_q, c.seq_lens_k, softmax_scale=c.scale,
             log_sf=log_sf, gamma=gamma, prompt_lens=prompts, calibrate=calibrate, out=out, max_seqlen_k=s.kv_len,
-            counts=counts, workspace=workspace, decode_only=s.phase == "decode",
+            counts=counts, workspace=workspace, decode_only=s.phase == "decode", **launch_kw,
         )  # fmt: skip
+        return out, counts
 
     return run
 

@@ -31,13 +31,18 @@ for p in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(p))
 
 import torch  # noqa: E402
-from bench_kernels import DTYPES, Inputs, Shape, find_lambdas, sdpa, sdpa_backends, time_fn  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    DTYPES,
+    Inputs,
+    Shape,
+    find_lambdas,
+    ours_launch,
+    sdpa,
+    sdpa_backends,
+    time_fn,
+)
 
 from modelopt_ext.torch.kernels.sparsity.attention import triton_kernel as tk  # noqa: E402
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import (  # noqa: E402
-    default_prompt_lens,
-    normalize_thresholds,
-)
 
 # (rows per program, warps, stages, skip mode, causal mask only on the diagonal tiles): after the default, the
 # launches measured on an H200 on 2026-12-04 (docs/benchmarks.md) and the options not measured there yet.
@@ -108,28 +113,6 @@ def label(cfg: tk.LaunchConfig, phase: str) -> str:
     return f"w{cfg.decode_warps} s{cfg.decode_stages} {cfg.decode_skip}"
 
 
-def launcher(inp: Inputs, lam: float | None, cfg: tk.LaunchConfig):
-    """A closure launching the Triton kernel on inp with one λ (None: dense) and one configuration."""
-    s = inp.shape
-    log_sf, gamma, calibrate = normalize_thresholds(
-        s.batch, inp.q.device, skip_threshold=lam, threshold_trials=None, log_scale_factors=None,
-        length_exponents=None, return_skip_counts=lam is not None,
-    )  # fmt: skip
-    prompts = default_prompt_lens(inp.cu_seqlens_q, inp.seq_lens_k)
-    out = torch.empty_like(inp.q)
-    counts = torch.zeros(s.batch, 1, 2, dtype=torch.int64, device=inp.q.device) if lam is not None else None
-
-    def run(_copy: int = 0):
-        tk.launch_triton(
-            inp.q, inp.k_cache, inp.v_cache, inp.block_table, inp.cu_seqlens_q, inp.seq_lens_k,
-            softmax_scale=inp.scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompts, calibrate=calibrate,
-            out=out, max_seqlen_k=s.kv_len, counts=counts, decode_only=s.phase == "decode", config=cfg,
-        )  # fmt: skip
-        return out, counts
-
-    return run
-
-
 def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
     inp = Inputs(shape, dtype, args.device, seed=0)
     chosen, method = find_lambdas(inp, [args.sparsity], "triton")
@@ -162,8 +145,8 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
                 twin = label(cfg, shape.phase).rpartition(" ")[0] + " branch"
                 if mode == "dense" and twin != row["config"] and twin in labels:
                     continue  # the skip mode only matters when serving: dense time is its branch twin's
-                run = launcher(inp, lam_m, cfg)
-                o, c = run()
+                run = ours_launch(inp, lam_m, "triton", config=cfg)
+                o, c = run(inp)
                 o = o.clone()
                 if i == 0:
                     ref[mode] = (o, None if c is None else c.clone())
@@ -175,7 +158,7 @@ def sweep_shape(shape: Shape, dtype, args, deadline: float, log) -> dict:
                     same_counts = c is None or torch.equal(c, ref[mode][1])
                     row[f"{mode}_maxdiff"] = diff
                     row[f"{mode}_counts_equal"] = same_counts
-                row[f"{mode}_ms"] = time_fn(run, 1, args.device, args)["ms"]
+                row[f"{mode}_ms"] = time_fn(lambda _i, run=run: run(inp), 1, args.device, args)["ms"]
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile (shared memory)
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         rec["rows"].append(row)
