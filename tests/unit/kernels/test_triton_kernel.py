@@ -283,9 +283,20 @@ def test_launch_configs_keep_decisions_and_rows(config):
             assert counts[..., 1].sum() > 0
 
 
-def test_launch_config_rejects_unknown_skip_mode():
-    with pytest.raises(ValueError, match="prefill_skip must be one of"):
-        triton_kernel.LaunchConfig(prefill_skip="maybe")
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"prefill_skip": "maybe"}, "prefill_skip must be one of"),
+        ({"decode_skip": "branchy"}, "decode_skip must be one of"),
+        ({"prefill_block_q": 96}, "prefill_block_q must be one of"),
+        ({"decode_warps": 3}, "decode_warps must be one of"),
+        ({"prefill_stages": 0}, "prefill_stages must be an int >= 1"),
+    ],
+)
+def test_launch_config_rejects_bad_values(kwargs, match):
+    """A launch configuration Triton could not compile is refused when it is made, naming the field."""
+    with pytest.raises(ValueError, match=match):
+        triton_kernel.LaunchConfig(**kwargs)
 
 
 @pytest.mark.gpu

@@ -583,10 +583,19 @@ class LaunchConfig:
     decode_fused_acc: bool = False
 
     def __post_init__(self):
+        # checked here, not when Triton compiles the first launch in the middle of serving
         for name in ("prefill_skip", "decode_skip"):
             value = getattr(self, name)
             if value not in SKIP_MODES:
                 raise ValueError(f"LaunchConfig.{name} must be one of {sorted(SKIP_MODES)}, got {value!r}")
+        choices = {"prefill_block_q": (16, 32, 64, 128, 256), "prefill_warps": (1, 2, 4, 8, 16),
+                   "decode_warps": (1, 2, 4, 8, 16)}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LaunchConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("prefill_stages", "decode_stages"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"LaunchConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
 
 
 @functools.cache
