@@ -61,7 +61,8 @@ SCRIPT = PREAMBLE + textwrap.dedent(
             dec = tk.SKIP_MODES[cfg.decode_skip if skip is None else skip]
             aligned = skip != "predicated"
             build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=cfg.prefill_block_q, SPLIT_BLOCKS=32, V_SKIP=pre,
-                                                  FUSED_ACC=cfg.prefill_fused_acc),
+                                                  FUSED_ACC=cfg.prefill_fused_acc,
+                                                  SPLIT_CAUSAL=cfg.prefill_split_causal),
                   aligned=aligned, num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)
             build(tk._decode_kernel, dtype, dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
                                                  NUM_HEADS=2 * group, SPLIT_BLOCKS=32, V_SKIP=dec,
@@ -94,18 +95,24 @@ PIPELINE_SCRIPT = PREAMBLE + textwrap.dedent(
     consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, PAGE=16, BLOCK_Q=128, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1,
                   TRIALS_P2=1, FP32_DOT=False, SOFTCAP=False, FUSED_ACC=False, stride_qd=1, stride_od=1, stride_kd=1,
                   stride_vd=1)
-    for mode, skip in ((0, "branch"), (1, "branch"), (1, "exp")):
-        c = dict(consts, MODE=mode, V_SKIP=tk.SKIP_MODES[skip])
+    for mode, skip, split in ((0, "branch", False), (1, "branch", False), (1, "exp", False), (1, "exp", True)):
+        c = dict(consts, MODE=mode, V_SKIP=tk.SKIP_MODES[skip], SPLIT_CAUSAL=split)
         k = build(tk._prefill_kernel, "bf16", c, aligned=True, num_warps=8, num_stages=2)
         copies = re.findall(r"async_copy_global_to_local[^\\n]*?: tensor<(\\d+x\\d+)x!tt.ptr<bf16>", k.asm["ttgir"])
-        print("mode", mode, skip, "K" if "128x64" in copies else "-", "V" if "64x128" in copies else "-")
+        print("mode", mode, skip, "split" if split else "whole", "K" if "128x64" in copies else "-",
+              "V" if "64x128" in copies else "-", len(copies))
     """
 )
 
 
 def test_prefill_loads_are_software_pipelined_for_sm90():
-    """Triton pipelines (async-copies ahead) the prefill K and V loads of dense launches and of the `exp` skip mode;
-    with `branch` only K (V's one user sits inside the branch). What the skip modes are for: if a Triton release
-    changes this, the trade-off between them changes and `benchmarks/tune_triton.py` should be run again."""
+    """Triton pipelines (async-copies ahead) the prefill K and V loads of dense launches and of the `exp` skip mode
+    (with and without `prefill_split_causal`: the default since the second H200 sweep); with `branch` only K (V's
+    one user sits inside the branch). What the skip modes are for: if a Triton release changes this, the trade-off
+    between them changes and `benchmarks/tune_triton.py` should be run again."""
     out = _run_compiled(PIPELINE_SCRIPT)
-    assert out.splitlines() == ["mode 0 branch K V", "mode 1 branch K -", "mode 1 exp K V"], out
+    # async copies: each pipelined load once before its loop and once inside; the split-causal default (last) has
+    # two loops, both pipelining K and V
+    expected = ["mode 0 branch whole K V 4", "mode 1 branch whole K - 2", "mode 1 exp whole K V 4",
+                "mode 1 exp split K V 8"]  # fmt: skip
+    assert out.splitlines() == expected, out

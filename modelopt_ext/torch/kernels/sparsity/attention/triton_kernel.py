@@ -55,24 +55,21 @@ Being fast on an H200 (sm_90)
 The skip geometry is fixed by the semantics (64-key tiles, 2048-key splits); how the kernels are launched is a
 `LaunchConfig` and never changes decisions or counts. Measured on an H200 (docs/benchmarks.md, bf16, D = 128,
 `benchmarks/tune_triton.py`), the default (`default_launch_config`) for D > 64 is 128-row prefill programs on
-8 warps with 2 stages (prefill 16k 1.95x the old 64 rows on 8 warps; 64 rows on 4 warps 1.78x) and decode on
-2 warps with 3 stages (s=0.7: 1.04-1.07x the old 4 warps x 2 stages); for D <= 64 (not measured) 64-row programs
-on 4 warps. Prefill counts its drops per row and sums them once after the loop (a sum over the program's rows is a
-cross-warp reduction per tile); decode keeps its per-tile sum (per row it was 1.3-1.6x slower there).
-Not kept: the branch-free skip (`predicated`: V loads masked off, P·V on zeros), which Triton 3.6 cannot pipeline
-in prefill (compile error: the mask depends on the tile's scores) and which is 3-13 % slower in decode; P·V
-accumulated inside the dot (no change). Not measured yet: `exp` (V loaded and P·V run for every tile, only the exp
-skipped), the one serving mode whose V load Triton software-pipelines (sm_90 TTGIR: an async copy, as in dense
-launches; `branch` leaves V a synchronous load), measured offline by tests/unit/kernels/test_triton_compile.py.
-Since then, not measured on a GPU: scores stay in Q·K units and the scale (times log2(e)) is folded into the exp2's
-one FMA per element (was a multiply, a subtract and the exp's own multiply; 166 -> 107 fp32 ALU instructions per
-thread in the sm_90 PTX of a 128-row dense prefill program); the tile's row max is scaled instead, which gives the
-same value (rounding is monotonic), so skip decisions do not change. `prefill_split_causal` (off by default, not
-measured): a prefill program walks the tiles all its rows see whole in a first loop without the causal and length
-masks, then the diagonal ones (both loops still pipelined; serving `branch` prefill 244 -> 205 registers).
-Still open on the GPU: prefill at 0.38x cuDNN dense, and skipping there costs more than it saves (the per-tile
-"does any row keep this tile" reduction and the branch around V and P·V); keep the skip test before the V load so
-skipped tiles save the V bandwidth and the second GEMM: the ideal speedup from skipping exp + P·V is 2 / (2 - s).
+8 warps with 2 stages, the tiles all rows see whole walked in a first loop without the causal and length masks
+(`prefill_split_causal`), skipping only the exp (`exp`: V loaded and P·V run for every tile), and decode on 2 warps
+with 3 stages skipping by a branch; for D <= 64 (not measured) 64-row programs on 4 warps, no split, branch.
+Measured 2026-12-04 at prefill 16k: 64 rows on 8 warps (the first default) 19.5 ms dense / 23.1 at s=0.7;
+128 rows 10.0 / 12.0; with scores kept in Q·K units and the scale times log2(e) folded into the exp2's one FMA
+per element 8.1 / 10.4; with the split and `exp` 7.0 / 7.6 (1.16x dense, 1.31-1.36x sparse at s=0.5-0.9, counts
+equal; 64k the same). Why `exp` wins although it skips less work: Triton software-pipelines (async copies a stage
+ahead, sm_90 TTGIR, pinned by tests/unit/kernels/test_triton_compile.py) a load only when its user is not inside
+a branch, so `branch` leaves every V load synchronous. 3 stages: 6.4 ms dense but 7.6-8.1 sparse (not kept).
+Prefill counts its drops per row and sums them once after the loop; decode keeps its per-tile sum (per row it was
+1.3-1.6x slower there). Decode: `exp` and 4 warps 0.66-0.92x, `predicated` (V loads masked off, P·V on zeros)
+0.92-0.97x of the default; predicated prefill does not compile in Triton 3.6 (the pipeliner cannot predicate the
+wgmma). Still open on the GPU: prefill at 0.54x cuDNN dense, and sparse prefill is not faster than our dense
+(s=0.7: 7.6 against 7.0 ms; 0.9: 7.2): with `exp` only the exps are skipped, and with `branch` the V load is not
+pipelined. The ideal speedup from skipping exp + P·V is 2 / (2 - s).
 """
 
 from __future__ import annotations
@@ -601,10 +598,12 @@ class LaunchConfig:
 @functools.cache
 def default_launch_config(head_dim: int) -> LaunchConfig:
     """The launch configuration used when the caller passes none (measured on an H200, see the module docstring):
-    128-row prefill programs on 8 warps for D > 64 (64 rows on 4 warps below, not measured), decode on 2 warps
-    with 3 stages, tiles nobody keeps skipped by a branch. Made once per head size (every launch asks for it)."""
+    for D > 64 128-row prefill programs on 8 warps with whole tiles in their own loop, skipping only the exp (the V
+    load stays pipelined); 64 rows on 4 warps, no split, branch below (not measured). Decode on 2 warps with 3
+    stages, tiles nobody keeps skipped by a branch. Made once per head size (every launch asks for it)."""
     if head_dim > 64:
-        return LaunchConfig(prefill_block_q=128, prefill_warps=8, prefill_stages=2, decode_warps=2, decode_stages=3)
+        return LaunchConfig(prefill_block_q=128, prefill_warps=8, prefill_stages=2, prefill_skip="exp",
+                            prefill_split_causal=True, decode_warps=2, decode_stages=3)
     return LaunchConfig(prefill_block_q=64, prefill_warps=4, prefill_stages=2, decode_warps=2, decode_stages=3)
 
 
