@@ -46,8 +46,12 @@ from modelopt_ext.torch.kernels.sparsity.attention import triton_kernel as tk  #
 
 # (rows per program, warps, stages, skip mode, causal mask only on the diagonal tiles): after the default, the
 # launches measured on an H200 on 2026-12-04 (docs/benchmarks.md): the two earlier defaults, the runners-up and the
-# branch-free skip (which Triton 3.6 could not compile for prefill there).
+# branch-free skip (which Triton 3.6 could not compile for prefill there); then `prefetch` (not measured yet: V
+# loaded a tile ahead so exp and P·V can be skipped by a branch without a synchronous V load).
 PREFILL_SWEEP = [
+    (128, 8, 2, "prefetch", True),
+    (128, 8, 3, "prefetch", True),
+    (64, 4, 2, "prefetch", True),
     (128, 8, 2, "branch", False),
     (64, 8, 2, "branch", False),
     (128, 8, 3, "exp", True),

@@ -20,7 +20,8 @@ a phase that times out is killed and the next one still runs, and every phase wr
                    the vLLM plugin runs at engine start, on the Triton kernel without vLLM, and decode latency eager
                    vs graph replay at batch 1/8/64 with 8k-token contexts; issue #26)
 5. tune         -> tune.log, tune/tune.json|txt (benchmarks/tune_triton.py: the kernels' launch configurations and
-                   skip modes against the default in one run, through the launch path the vLLM plugin uses)
+                   skip modes against the default in one run, through the launch path the vLLM plugin uses);
+                   tune_d64.log, tune_d64/: the same for D = 64 prefill (its default has not run on a GPU yet)
 6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
 7. summary      -> summary.txt, summary.json (printed last)
 
@@ -29,7 +30,8 @@ First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an 
 
 - 2026-12-04, second H200 session: the default prefill launch is now 128 rows x 8 warps x 2 stages with
   `prefill_split_causal` and the `exp` skip mode (16k: 7.0 ms dense, 7.6 at s=0.7). Open: sparse prefill is not
-  faster than our dense; the tune table shows whether a launch or skip mode changes that ("counts equal" must hold).
+  faster than our dense; the tune table shows whether a launch or skip mode changes that ("counts equal" must hold),
+  first of all `prefetch` (V loaded a tile ahead, exp and P·V skipped by a branch; not measured yet).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `tune_triton.py --configs` for D = 64 prefill: the default (64 rows, 4 warps, branch) first, then what won at D = 128
+D64_CONFIGS = (";prefill_split_causal=True,prefill_skip=exp;prefill_split_causal=True,prefill_skip=prefetch"
+               ";prefill_block_q=128,prefill_warps=8,prefill_split_causal=True,prefill_skip=exp"
+               ";prefill_block_q=128,prefill_warps=4,prefill_split_causal=True,prefill_skip=exp")
 BENCH = REPO / "benchmarks" / "bench_kernels.py"
 GRAPHS = REPO / "benchmarks" / "bench_decode_graphs.py"
 TUNE = REPO / "benchmarks" / "tune_triton.py"
@@ -354,6 +360,13 @@ def main(argv=None) -> int:
                     "--configs", ";decode_skip=exp"]  # fmt: skip
         tune_env = dict(env, TRITON_INTERPRET="1") if args.dry_run else env  # Triton runs as Python on a CPU
         runner.run("tune", cmd, timeout, tune_env, "tune.log")
+        # D = 64 (Llama 3.2 1B, SmolLM2): its default launch has never run on a GPU; the D = 128 winners against it
+        timeout = min(60.0, runner.left() - (0 if args.skip_bench else 150) - 15)
+        cmd = [sys.executable, str(TUNE), "--out", str(out / "tune_d64"), "--head-dim", "64", "--time-budget",
+               f"{max(10.0, timeout - 25):.0f}", "--configs", D64_CONFIGS]  # fmt: skip
+        cmd += (["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "prefill:1:200", "--heads", "2/1"]
+                if args.dry_run else ["--shapes", "prefill:1:16384"])  # fmt: skip
+        runner.run("tune d64", cmd, timeout, tune_env, "tune_d64.log")
     # Phase: benchmark.
     bench_out = out / "bench"
     if not args.skip_bench:
@@ -406,10 +419,11 @@ def main(argv=None) -> int:
     if "graphs" in runner.phases:
         lines.append(f"graphs: {runner.phases['graphs']['status']}")
         lines += graphs_txt.read_text(encoding="utf-8").splitlines() if graphs_txt.is_file() else []
-    tune_txt = out / "tune" / "tune.txt"
-    if "tune" in runner.phases:
-        lines.append(f"tune: {runner.phases['tune']['status']}")
-        lines += tune_txt.read_text(encoding="utf-8").splitlines() if tune_txt.is_file() else []
+    for phase, folder in (("tune", "tune"), ("tune d64", "tune_d64")):
+        tune_txt = out / folder / "tune.txt"
+        if phase in runner.phases:
+            lines.append(f"{phase}: {runner.phases[phase]['status']}")
+            lines += tune_txt.read_text(encoding="utf-8").splitlines() if tune_txt.is_file() else []
     summary["bench_meta"] = meta
     summary["bench_rows"] = rows
     table_txt = bench_out / "table.txt"

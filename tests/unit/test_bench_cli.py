@@ -91,12 +91,13 @@ def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
     assert "GPU CHECK SUMMARY" in text and "gpu tests:" in text and "benchmark: ok" in text
     assert "graphs: ok" in text and "self-test float32: passed" in text
     assert "tune: ok" in text and "w2 s3 exp" in text and "counts equal" in text
+    assert "tune d64: ok" in text and "q64 w4 s2 split prefetch" in text
     assert "prefill B=1 L=1k" in text and "decode B=2 L=2k" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phases"]["benchmark"]["status"] == "ok"
     assert summary["bench_rows"]
     for name in ("gpu_check.log", "env.txt", "pytest.log", "bench.log", "bench/results.json", "graphs/graphs.json",
-                 "tune/tune.json"):
+                 "tune/tune.json", "tune_d64/tune.json"):
         assert (out / name).is_file(), name
 
 

@@ -58,7 +58,7 @@ SCRIPT = PREAMBLE + textwrap.dedent(
         # unaligned for `predicated`, whose aligned prefill Triton's pipeliner cannot compile (docs/benchmarks.md)
         for skip in [None, *tk.SKIP_MODES] if mode == 1 else [None]:
             pre = tk.SKIP_MODES[cfg.prefill_skip if skip is None else skip]
-            dec = tk.SKIP_MODES[cfg.decode_skip if skip is None else skip]
+            dec = tk.SKIP_MODES[skip if skip in tk.DECODE_SKIP_MODES else cfg.decode_skip]
             aligned = skip != "predicated"
             build(tk._prefill_kernel, dtype, dict(common, BLOCK_Q=cfg.prefill_block_q, SPLIT_BLOCKS=32, V_SKIP=pre,
                                                   FUSED_ACC=cfg.prefill_fused_acc,
@@ -95,7 +95,8 @@ PIPELINE_SCRIPT = PREAMBLE + textwrap.dedent(
     consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, PAGE=16, BLOCK_Q=128, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1,
                   TRIALS_P2=1, FP32_DOT=False, SOFTCAP=False, FUSED_ACC=False, stride_qd=1, stride_od=1, stride_kd=1,
                   stride_vd=1)
-    for mode, skip, split in ((0, "branch", False), (1, "branch", False), (1, "exp", False), (1, "exp", True)):
+    for mode, skip, split in ((0, "branch", False), (1, "branch", False), (1, "exp", False), (1, "exp", True),
+                              (1, "prefetch", True)):
         c = dict(consts, MODE=mode, V_SKIP=tk.SKIP_MODES[skip], SPLIT_CAUSAL=split)
         k = build(tk._prefill_kernel, "bf16", c, aligned=True, num_warps=8, num_stages=2)
         copies = re.findall(r"async_copy_global_to_local[^\\n]*?: tensor<(\\d+x\\d+)x!tt.ptr<bf16>", k.asm["ttgir"])
@@ -108,11 +109,12 @@ PIPELINE_SCRIPT = PREAMBLE + textwrap.dedent(
 def test_prefill_loads_are_software_pipelined_for_sm90():
     """Triton pipelines (async-copies ahead) the prefill K and V loads of dense launches and of the `exp` skip mode
     (with and without `prefill_split_causal`: the default since the second H200 sweep); with `branch` only K (V's
-    one user sits inside the branch). What the skip modes are for: if a Triton release changes this, the trade-off
+    one user sits inside the branch); `prefetch` K and the next tile's V (a loop-carried value, used in the branch
+    one tile later). What the skip modes are for: if a Triton release changes this, the trade-off
     between them changes and `benchmarks/tune_triton.py` should be run again."""
     out = _run_compiled(PIPELINE_SCRIPT)
-    # async copies: each pipelined load once before its loop and once inside; the split-causal default (last) has
-    # two loops, both pipelining K and V
+    # async copies: each pipelined load once before its loop and once inside; the split-causal default has two
+    # loops, both pipelining K and V; `prefetch` pipelines the next tile's V (issued inside the loop only)
     expected = ["mode 0 branch whole K V 4", "mode 1 branch whole K - 2", "mode 1 exp whole K V 4",
-                "mode 1 exp split K V 8"]  # fmt: skip
+                "mode 1 exp split K V 8", "mode 1 prefetch split K V 6"]  # fmt: skip
     assert out.splitlines() == expected, out

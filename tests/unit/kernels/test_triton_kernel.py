@@ -254,8 +254,11 @@ def test_int64_metadata_and_padded_queries(backend):
                                    prefill_skip="predicated", decode_stages=4),
         triton_kernel.LaunchConfig(prefill_split_causal=True),
         triton_kernel.LaunchConfig(prefill_split_causal=True, prefill_block_q=128, prefill_skip="exp"),
+        triton_kernel.LaunchConfig(prefill_skip="prefetch"),
+        triton_kernel.LaunchConfig(prefill_split_causal=True, prefill_block_q=128, prefill_skip="prefetch"),
     ],
-    ids=["rows128", "predicated", "exp", "fused-acc", "split-causal", "split-causal-rows128-exp"],
+    ids=["rows128", "predicated", "exp", "fused-acc", "split-causal", "split-causal-rows128-exp", "prefetch",
+         "split-causal-rows128-prefetch"],  # fmt: skip
 )
 def test_launch_configs_keep_decisions_and_rows(config):
     """Every `LaunchConfig` (rows per prefill program, skip modes, P·V accumulated in the dot) gives the
@@ -288,6 +291,7 @@ def test_launch_configs_keep_decisions_and_rows(config):
     [
         ({"prefill_skip": "maybe"}, "prefill_skip must be one of"),
         ({"decode_skip": "branchy"}, "decode_skip must be one of"),
+        ({"decode_skip": "prefetch"}, "decode_skip must be one of"),
         ({"prefill_block_q": 96}, "prefill_block_q must be one of"),
         ({"decode_warps": 3}, "decode_warps must be one of"),
         ({"prefill_stages": 0}, "prefill_stages must be an int >= 1"),
@@ -314,8 +318,9 @@ def test_gpu_skip_modes_match_reference(skip, rows):
                      layout="nhd", seed=17)  # fmt: skip
     lams = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.3, 0.01]))
     case = _to_cuda(case)
+    decode_skip = skip if skip in triton_kernel.DECODE_SKIP_MODES else "branch"
     config = triton_kernel.LaunchConfig(prefill_block_q=rows, prefill_warps=8 if rows == 128 else 4,
-                                        prefill_split_causal=rows == 128, prefill_skip=skip, decode_skip=skip,
+                                        prefill_split_causal=rows == 128, prefill_skip=skip, decode_skip=decode_skip,
                                         decode_warps=2, decode_stages=3)
     law = backend_law(case, log_lams_tensor(lams, case.batch).cuda())
     outs = []

@@ -69,7 +69,9 @@ Prefill counts its drops per row and sums them once after the loop; decode keeps
 0.92-0.97x of the default; predicated prefill does not compile in Triton 3.6 (the pipeliner cannot predicate the
 wgmma). Still open on the GPU: prefill at 0.54x cuDNN dense, and sparse prefill is not faster than our dense
 (s=0.7: 7.6 against 7.0 ms; 0.9: 7.2): with `exp` only the exps are skipped, and with `branch` the V load is not
-pipelined. The ideal speedup from skipping exp + P·V is 2 / (2 - s).
+pipelined. The ideal speedup from skipping exp + P·V is 2 / (2 - s). Not measured yet: `prefetch` (prefill):
+every tile's V issued one tile ahead as a loop-carried value, exp and P·V behind the branch (sm_90 TTGIR: the V
+load becomes an async copy outside the branch; 226 registers against `exp`'s 192, no spills).
 """
 
 from __future__ import annotations
@@ -111,6 +113,18 @@ def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, s
     """V of the tile's keys ([BLOCK_K, BLOCK_D]); masked keys (past kv_len) read as zeros, never as stale data."""
     ptrs = v_ptr + page_id[:, None] * stride_vb + slot[:, None] * stride_vp + kv_head * stride_vh
     return tl.load(ptrs + offs_d[None, :] * stride_vd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+
+
+@triton.jit
+def _load_v_of_tile(v_ptr, bt_row, kb, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """V of key tile `kb` (zeros past kv_len), page ids read from the block table: the `prefetch` skip mode loads
+    the next tile's V this way one tile ahead."""
+    kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_in = kpos < kv_len
+    page_id = tl.load(bt_row + kpos // PAGE, mask=k_in, other=0).to(tl.int64)
+    return _load_v_tile(v_ptr, page_id, kpos % PAGE, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                        stride_vd)
 
 
 @triton.jit
@@ -190,14 +204,16 @@ def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_D
 
 @triton.jit
 def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-                m_i, l_i, acc, s, tile_max, keep_row, unit, MODE: tl.constexpr, V_SKIP: tl.constexpr,
+                m_i, l_i, acc, s, tile_max, keep_row, unit, v_ahead, MODE: tl.constexpr, V_SKIP: tl.constexpr,
                 FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr):  # fmt: skip
     """Load the tile's V and fold the kept rows in. When serving (MODE 1) a tile no row keeps is skipped, per
     V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded and P·V run for every tile, a branch around the
     exp only (P = 0 and alpha = 1 for a skipped tile: acc unchanged), so Triton software-pipelines the V load as in
     dense launches (it does not pipeline a load whose only user sits inside the branch, even one issued before it);
-    2 no branch, the V load predicated off and the update run on zero probabilities (the same result). Dense and
-    calibration (every visited tile has a kept row) load and fold."""
+    2 no branch, the V load predicated off and the update run on zero probabilities (the same result); 3 (prefill
+    only) a branch around exp and P·V of `v_ahead`, this tile's V loaded one tile earlier (a loop-carried value the
+    compiler cannot sink into the branch, so its latency hides behind a tile of work). Dense and calibration (every
+    visited tile has a kept row) load and fold."""
     if MODE == 1:
         any_keep = tl.sum(keep_row.to(tl.int32), axis=0) > 0
         if V_SKIP == 0:
@@ -205,6 +221,10 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
                 v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
                                  stride_vd)  # fmt: skip
                 m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT,
+                                                       FUSED_ACC)
+        elif V_SKIP == 3:
+            if any_keep:
+                m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v_ahead, FP32_DOT,
                                                        FUSED_ACC)
         elif V_SKIP == 1:
             v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
@@ -257,19 +277,25 @@ def _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS: tl.constex
 
 @triton.jit
 def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-                  unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                  v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
                   stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
                   PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MODE: tl.constexpr,
                   FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
                   MASKED: tl.constexpr):  # fmt: skip
     """One key tile of a prefill program: scores, decisions, softmax and P·V. MASKED: the causal and length masks;
     without, the caller guarantees every row of the block sees every key of the tile (rows past the sequence's
-    end stay out through `row_in`)."""
+    end stay out through `row_in`). `v_ahead`: this tile's V when serving with the `prefetch` skip mode, which
+    returns the next tile's in its place (anything else is passed through)."""
     kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_in = kpos < kv_len
     kt, page_id, slot = _load_k_tile(
         k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
     )
+    v_tile = v_ahead
+    if MODE == 1:
+        if V_SKIP == 3:  # issued before this tile's work, used by the next tile
+            v_ahead = _load_v_of_tile(v_ptr, bt_row, kb + 1, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp,
+                                      stride_vh, stride_vd, PAGE, BLOCK_K)  # fmt: skip
     s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
     if MASKED:
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
@@ -291,9 +317,9 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
     m_split = tl.maximum(m_split, tile_max)
     m_i, l_i, acc = _value_step(
         v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-        m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+        m_i, l_i, acc, s, tile_max, keep_row, unit, v_tile, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
     )  # fmt: skip
-    return m_i, m_anchor, m_split, l_i, acc, drops, drops2
+    return m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -367,20 +393,25 @@ def _prefill_kernel(
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     unit = _score_unit(softmax_scale, SOFTCAP)
+    v_ahead = 0.0  # the `prefetch` skip mode's V of the next tile (loop-carried); unused otherwise
+    if MODE == 1:
+        if V_SKIP == 3:
+            v_ahead = _load_v_of_tile(v_ptr, bt_row, 0, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
+                                      stride_vd, PAGE, BLOCK_K)  # fmt: skip
     kb_masked = 0
     if SPLIT_CAUSAL:  # tiles every row of the block sees whole (keys <= the first row's position): no mask
         kb_masked = tl.minimum((kv_len - q_len + q_block * BLOCK_Q + 1) // BLOCK_K, n_kblocks)
         for kb in range(0, kb_masked):
-            m_i, m_anchor, m_split, l_i, acc, drops, drops2 = _prefill_tile(
+            m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
                 kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-                unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
                 stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
                 PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False,
             )  # fmt: skip
     for kb in range(kb_masked, n_kblocks):
-        m_i, m_anchor, m_split, l_i, acc, drops, drops2 = _prefill_tile(
+        m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
             kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-            unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+            v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
             stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
             PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True,
         )  # fmt: skip
@@ -496,7 +527,7 @@ def _decode_kernel(
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, unit, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
         )  # fmt: skip
 
     if n_splits == 1:
@@ -553,11 +584,13 @@ def _decode_merge_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-SKIP_MODES = {"branch": 0, "exp": 1, "predicated": 2}
+SKIP_MODES = {"branch": 0, "exp": 1, "predicated": 2, "prefetch": 3}
 """How a serving kernel skips a tile no row of its program keeps (`_value_step`): `branch` skips the V load, exp and
 P·V; `exp` loads V and runs P·V for every tile and skips the exp only (the one mode whose V load Triton
 software-pipelines when serving, as in dense launches); `predicated` has no branch (V load masked off, update on
-zero probabilities; Triton 3.6 and 3.8 cannot pipeline it for prefill on sm_90)."""
+zero probabilities; Triton 3.6 and 3.8 cannot pipeline it for prefill on sm_90); `prefetch` (prefill only) loads
+every tile's V one tile ahead and skips exp and P·V by a branch."""
+DECODE_SKIP_MODES = ("branch", "exp", "predicated")
 
 
 @dataclass(frozen=True)
@@ -581,10 +614,10 @@ class LaunchConfig:
 
     def __post_init__(self):
         # checked here, not when Triton compiles the first launch in the middle of serving
-        for name in ("prefill_skip", "decode_skip"):
+        for name, allowed in (("prefill_skip", tuple(SKIP_MODES)), ("decode_skip", DECODE_SKIP_MODES)):
             value = getattr(self, name)
-            if value not in SKIP_MODES:
-                raise ValueError(f"LaunchConfig.{name} must be one of {sorted(SKIP_MODES)}, got {value!r}")
+            if value not in allowed:
+                raise ValueError(f"LaunchConfig.{name} must be one of {sorted(allowed)}, got {value!r}")
         choices = {"prefill_block_q": (16, 32, 64, 128, 256), "prefill_warps": (1, 2, 4, 8, 16),
                    "decode_warps": (1, 2, 4, 8, 16)}  # fmt: skip
         for name, allowed in choices.items():
