@@ -976,6 +976,50 @@ class Kernel {
     return p.calibrate || !(gap < lnl[0]);
   }
 
+#if defined(__AVX512F__)
+  // decide() for rows m_lo..M-1 of a tile t > 0 with at most one trial (serving, or dense without counts), 16 rows
+  // per step instead of one (the scalar loop was about a seventh of a bf16 prefill on AMX tiles; decode's GQA
+  // group of a few rows stays on the scalar loop): the same float
+  // operations, with the max operands in the order that makes NaN and signed zeros pick what std::max picks, and
+  // the kept rows compressed in row order. Returns their number and raises j_end to what they read.
+  int decide_rows16(Scratch& sc, int m_lo, int M, int64_t kstart, int64_t kv_len, int* kept_m, float* kept_g,
+                    int& j_end) const {
+    const bool counting = p_.log_sf != nullptr;
+    const bool keep_all = !counting || p_.calibrate;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(kTileK, kv_len - kstart)));
+    const __m512i shift = _mm512_set1_epi32(static_cast<int32_t>(1 - kstart));  // visible = pos - kstart + 1
+    __m512i reach = _mm512_setzero_si512();
+    int n_kept = 0;
+    int64_t dropped = 0;
+    for (int m = m_lo; m < M; m += 16) {
+      const __mmask16 in = M - m >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (M - m)) - 1);
+      const __m512 g = _mm512_maskz_loadu_ps(in, sc.g.data() + m);
+      const __m512 srun = _mm512_maskz_loadu_ps(in, sc.srun.data() + m);
+      // ref = max(g0, srun) and srun = max(srun, g) as std::max: MAXPS returns its second operand unless the first
+      // is greater
+      const __m512 gap = _mm512_sub_ps(g, _mm512_max_ps(srun, _mm512_maskz_loadu_ps(in, sc.g0.data() + m)));
+      _mm512_mask_storeu_ps(sc.srun.data() + m, in, _mm512_max_ps(g, srun));
+      __mmask16 keep = in;
+      if (counting) {
+        const __mmask16 drop =
+            _mm512_mask_cmp_ps_mask(in, gap, _mm512_maskz_loadu_ps(in, sc.lnl.data() + m), _CMP_LT_OQ);
+        dropped += __builtin_popcount(drop);
+        if (!keep_all) keep = static_cast<__mmask16>(in & ~drop);
+      }
+      _mm512_mask_compressstoreu_epi32(kept_m + n_kept, keep, _mm512_add_epi32(_mm512_set1_epi32(m), iota));
+      _mm512_mask_compressstoreu_ps(kept_g + n_kept, keep, g);
+      const __m512i pos = _mm512_maskz_loadu_epi32(in, sc.pos.data() + m);
+      const __m512i visible = _mm512_min_epi32(_mm512_add_epi32(pos, shift), lim);
+      reach = _mm512_mask_max_epi32(reach, keep, reach, visible);
+      n_kept += __builtin_popcount(keep);
+    }
+    if (counting) sc.skipped[0] += dropped;
+    j_end = std::max(j_end, _mm512_reduce_max_epi32(reach));
+    return n_kept;
+  }
+#endif
+
   // Stage A of tile t: scores of the rows that visit it, each row's decision, counts, the kept rows (slot).
   void stage_scores(const Item& it, Scratch& sc, int t, int slot, int M, int first_pos, int npf) const {
     const int64_t kv_len = p_.kvlen[it.b];
@@ -991,6 +1035,11 @@ class Kernel {
     int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
     float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
     if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
+#if defined(__AVX512F__)
+    if (t > 0 && M - m_lo >= 16 && (p_.log_sf == nullptr || p_.T == 1)) {  // decode's few rows: scalar
+      n_kept = decide_rows16(sc, m_lo, M, kstart, kv_len, kept_m, kept_g, j_end);
+    } else
+#endif
     for (int m = m_lo; m < M; ++m) {
       const float g = sc.g[m];
       if (!decide(sc, t, m, g)) continue;
