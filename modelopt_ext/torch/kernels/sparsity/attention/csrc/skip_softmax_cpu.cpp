@@ -846,7 +846,9 @@ class Kernel {
         const int64_t h = static_cast<int64_t>(kvh) * group + hh;
         const T* src = qp + row * p.sq0 + h * p.sq1;
         float* dst = sc.q.data() + static_cast<size_t>(m) * D;
-        for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.sq2]);
+        if (!sc.packed) {  // the packed path reads its bf16 copy (prepare_packed)
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * p.sq2]);
+        }
         sc.pos[m] = pos;
       }
       if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
