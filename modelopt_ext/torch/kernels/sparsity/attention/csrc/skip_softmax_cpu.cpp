@@ -266,6 +266,30 @@ inline float hsum(vf v) {
   std::memcpy(&x, &v, sizeof(x));
   return _mm512_reduce_add_ps(x);
 }
+
+// The 16 horizontal maxima of v[0..15] in one vector (lane i: max of v[i]'s lanes): a transposing tree of 15 max
+// operations (halves of two vectors side by side, then quarters, pairs, lanes) where hmax per vector takes 4 each
+// plus its extract. Maxima are exact, so this is hmax's value row by row (no NaN here, as for hmax).
+inline __m512 hmax16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // a[i]: lanes 0-7 halves of v[2i], lanes 8-15 of v[2i+1]
+    a[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {  // b[i]: 4 lanes each of v[4i .. 4i+3], in 128-bit lane order
+    b[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {  // within each 128-bit lane: two partials of two vectors
+    c[i] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 d = _mm512_max_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // d's 128-bit lane k holds rows k, 4 + k, 8 + k, 12 + k: row r sits at 4 (r % 4) + r / 4
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, d);
+}
 #elif defined(__AVX__)
 inline __m128 fold_halves(vf v, bool is_max) {
   __m256 x;
@@ -1318,7 +1342,8 @@ class Kernel {
     const vf ninf = splat(kNegInf);
     const bool capped = p.softcap > 0.f;
     const float g_scale = capped ? 1.f : p.scale;
-    for (int m = m_lo; m < M; ++m) {
+    // Row m's masked (and capped) scores stored back, and their lane-wise max.
+    auto row_max = [&](int m) __attribute__((always_inline)) {
       float* sr = s_lo + static_cast<size_t>(m - m_lo) * kTileK;
       // Keys kstart + j with j >= lim are invisible to this row (causal limit or kv_len).
       const int64_t lim = std::min<int64_t>(sc.pos[m] + 1, kv_len) - kstart;
@@ -1341,8 +1366,20 @@ class Kernel {
         if (store) storev(sr + j, x);
         mx = x > mx ? x : mx;
       }
-      sc.g[m] = hmax(mx) * g_scale;
+      return mx;
+    };
+    int m = m_lo;
+#if defined(__AVX512F__)
+    for (; m + 16 <= M; m += 16) {  // 16 rows' maxima in one transposing tree (hmax16)
+      __m512 mxs[16];
+      for (int i = 0; i < 16; ++i) {
+        const vf mx = row_max(m + i);
+        std::memcpy(&mxs[i], &mx, sizeof(mx));
+      }
+      _mm512_storeu_ps(sc.g.data() + m, _mm512_mul_ps(hmax16(mxs), _mm512_set1_ps(g_scale)));
     }
+#endif
+    for (; m < M; ++m) sc.g[m] = hmax(row_max(m)) * g_scale;
   }
 
   // The factor the exp pass applies to the stored scores: the softmax scale, or 1 where finish_scores scaled them.
