@@ -1004,15 +1004,15 @@ class Kernel {
 
 #if defined(__AVX512F__)
   // decide() for rows m_lo..M-1 of a tile t > 0 with at most one trial (serving, or dense without counts), 16 rows
-  // per step instead of one (the scalar loop was about a seventh of a bf16 prefill on AMX tiles; decode's GQA
-  // group of a few rows stays on the scalar loop): the same float
-  // operations, with the max operands in the order that makes NaN and signed zeros pick what std::max picks, and
-  // the kept rows compressed in row order. Returns their number and raises j_end to what they read.
+  // per step instead of one (the scalar loop was about a seventh of a bf16 prefill on AMX tiles; decode's GQA group
+  // of a few rows stays on the scalar loop): the same float operations, with the max operands in the order that
+  // makes NaN and signed zeros pick what std::max picks, and the kept rows compressed in row order. Returns their
+  // number and raises j_end to what they read.
   int decide_rows16(Scratch& sc, int m_lo, int M, int64_t kstart, int64_t kv_len, int* kept_m, float* kept_g,
                     int& j_end) const {
     const bool counting = p_.log_sf != nullptr;
     const bool keep_all = !counting || p_.calibrate;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(kTileK, kv_len - kstart)));
     const __m512i shift = _mm512_set1_epi32(static_cast<int32_t>(1 - kstart));  // visible = pos - kstart + 1
     __m512i reach = _mm512_setzero_si512();
@@ -1033,7 +1033,7 @@ class Kernel {
         dropped += __builtin_popcount(drop);
         if (!keep_all) keep = static_cast<__mmask16>(in & ~drop);
       }
-      _mm512_mask_compressstoreu_epi32(kept_m + n_kept, keep, _mm512_add_epi32(_mm512_set1_epi32(m), iota));
+      _mm512_mask_compressstoreu_epi32(kept_m + n_kept, keep, _mm512_add_epi32(_mm512_set1_epi32(m), lane));
       _mm512_mask_compressstoreu_ps(kept_g + n_kept, keep, g);
       const __m512i pos = _mm512_maskz_loadu_epi32(in, sc.pos.data() + m);
       const __m512i visible = _mm512_min_epi32(_mm512_add_epi32(pos, shift), lim);
