@@ -14,6 +14,7 @@ import torch
 from skip_attention_helpers import (
     LAYOUTS,
     dense_attention_f64,
+    gather_dense,
     log_lams_tensor,
     make_case,
     oracle,
@@ -311,3 +312,21 @@ def test_reference_rejects_kv_shorter_than_queries():
     case.seq_lens_k[0] = 3
     with pytest.raises(ValueError, match="must include"):
         run(case, "torch")
+
+
+def test_decode_tile_drops_are_the_oracles_decisions():
+    """reference.decode_tile_drops (the benchmark's V-tile share) drops what the float64 oracle counts, per head,
+    across a split boundary; the tiles a whole GQA group drops are a subset of every head's."""
+    from modelopt_ext.torch.kernels.sparsity.attention.reference import decode_tile_drops
+
+    kv = SPLIT_TOKENS + 600
+    case = make_case([1], [kv], hq=6, hkv=2, seed=int(torch.randint(0, 2**30, ()).item()))
+    lam = quantile_lambda(case, 0, 0.6)
+    k = gather_dense(case.k_cache, case.block_table[0], kv)
+    drops = decode_tile_drops(case.q[0], k, case.scale, lam)  # [Hkv, group, n_tiles]
+    assert drops.shape == (2, 3, math.ceil(kv / 64))
+    counts = oracle(case, log_lams_tensor(lam, 1)).counts
+    assert int(drops.sum()) == int(counts[0, 0, 1]) > 0
+    assert not drops[..., 0].any()  # the anchor tile
+    joint = drops.all(dim=1)
+    assert bool((joint.unsqueeze(1) <= drops).all()) and 0 < int(joint.sum()) < int(drops.sum()) // 3

@@ -84,6 +84,24 @@ def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Te
     return visited, dropped
 
 
+def decode_tile_drops(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, skip_threshold: float) -> torch.Tensor:
+    """Which tiles each query head of one decode row drops at a constant λ: q [Hq, D], logical K [kv_len, Hkv, D]
+    (any float dtype; scored in float64). Returns bool [Hkv, Hq // Hkv, n_tiles].
+
+    A kernel reads a tile's V unless every head of its GQA group drops it, so `.all(1)` of this is what decode
+    saves in bytes (benchmarks/bench_cpu.py reports it beside the row-tile sparsity).
+    """
+    kv_len, hkv, d = k.shape
+    kv_pad = _ceil_to(kv_len, TILE_K)
+    kp = torch.nn.functional.pad(k.double(), (0, 0, 0, 0, 0, kv_pad - kv_len))
+    s = torch.einsum("hgd,jhd->hgj", q.double().view(hkv, -1, d), kp).mul_(softmax_scale)
+    s[..., kv_len:] = -math.inf
+    pos = torch.tensor([[kv_len - 1]], device=q.device)
+    log_lam = torch.full((1, 1, 1), math.log(skip_threshold), dtype=torch.float64, device=q.device)
+    _, dropped = _drop_decisions(s[None, :, :, None], pos, log_lam)
+    return dropped[0, 0, :, :, 0]
+
+
 def _count(visited, dropped, counts_out, hq: int) -> None:
     """Add row-tile counts of N sequences into counts_out [N, T, 2]."""
     counts_out[..., 0] += (visited.sum(dim=(1, 2)) * hq).unsqueeze(1)
