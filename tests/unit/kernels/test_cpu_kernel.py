@@ -490,13 +490,14 @@ def _poison_amx_case(case, page):
         v[blk] = math.inf
 
 
-@pytest.mark.parametrize("d,page,hq,hkv", [(64, 32, 6, 2), (128, 64, 8, 1), (96, 32, 9, 3)],
-                         ids=["d64-p32", "d128-p64-mqa", "d96-gqa3"])  # fmt: skip
+@pytest.mark.parametrize("d,page,hq,hkv", [(64, 32, 6, 2), (128, 64, 8, 1), (96, 32, 9, 3), (64, 32, 12, 2)],
+                         ids=["d64-p32", "d128-p64-mqa", "d96-gqa3", "d64-p32-gqa6"])  # fmt: skip
 def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     """vLLM's CPU `amx` layout (bf16 K/V stored as AMX B tiles; 6-D split views) read in place: counts equal the
     oracle's, outputs within bf16 tolerance of the float64 oracle, dense and skipping, with NaN/inf in every slot
     past kv_len and in unused pages; and bitwise the outputs of the same K/V in the `vec` layout ("cpu_t") on the
-    same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows."""
+    same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows; on
+    AMX tiles decode rows of 6 and 8 heads per KV head run on tiles of the group's rows, 2 and 3 on vectors."""
     q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
     kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49)
     case = make_case(q_lens, kv_lens, layout="cpu_amx", **kw)

@@ -139,12 +139,15 @@ bool dot_active() {
 #endif
 }
 
-// Work items with fewer (row, head) pairs than one tile's 16 rows (decode: a GQA group) stay on the vector path:
-// there a tile's few rows cannot hide the K/V memory stream (measured: decode 8k 1.4x slower on tiles), while
-// prefill items run 2x faster on tiles. The decisions of a row are the same on both paths up to float
-// rounding of its scores (docs/skip_softmax.md "Precision"). The packed path without tiles (VDPBF16PS) keeps the
-// same threshold, so a row takes the same path with either engine.
+// Which items run on the packed bf16 pairs. Prefill items (at least one tile's 16 rows) run 2x faster there. Decode
+// items (one GQA group of (row, head) pairs) run on AMX tiles when the group has at least kTileMinRows heads: the A
+// and C tiles then hold the group's rows only (amx_configure), and on the Xeon with AMX (bf16, `amx` layout, 1 and
+// 2 threads) decode ran 1.07-1.37x faster than on the vector path at 8 heads per KV head and 1.00-1.26x at 6, against
+// 0.96-1.13x at 4 and 0.84-1.10x at 3 (1 thread; with few rows the vector path's FMAs are not what limits decode). VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
+// decisions of a row are the same on every path up to float rounding of its scores (docs/skip_softmax.md
+// "Precision"); the threshold depends on the item's pairs only, so a row takes the same path on either cache layout.
 constexpr int kPackedMinRows = 16;
+constexpr int kTileMinRows = 6;
 
 #if defined(MODELOPT_EXT_AMX)
 struct alignas(64) TileConfig {
@@ -155,13 +158,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0..7: 16 rows x 64 bytes each (A: 16 x 32 bf16, B: 16 pairs x 16 x 2 bf16, C: 16 x 16 fp32).
-inline void amx_configure() {
+// Tiles 0..7: 64 bytes per row; B tiles (1, 6: 16 pairs x 16 x 2 bf16) 16 rows, A (16 x 32 bf16) and C (16 x 16
+// fp32) tiles m_rows: an item of fewer than 16 (row, head) pairs (decode: a GQA group) multiplies its own rows only.
+inline void amx_configure(int m_rows) {
   TileConfig cfg{};
   cfg.palette_id = 1;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
+    cfg.rows[i] = (i == 1 || i == 6) ? 16 : m_rows;
   }
   _tile_loadconfig(&cfg);
 }
@@ -764,7 +768,8 @@ struct Params {
   bool k_direct;  // K blocks readable in place: keys contiguous (stride 1) and a block never crosses a page
   bool v_direct;  // V rows contiguous
   int64_t* skipped;  // counts[..., 1] of [B, T, 2] int64: element (b, t) at skipped[2 * (b * T + t)]
-  bool packed;  // bf16 on packed pairs (AMX tiles, or VDPBF16PS): Q·K and P·V of items of >= kPackedMinRows pairs
+  bool packed;  // bf16 on packed pairs (AMX tiles, or VDPBF16PS): Q·K and P·V of items of >= kTileMinRows pairs on
+                // tiles, >= kPackedMinRows on VDPBF16PS
   bool tiles;   // the packed path runs on AMX tiles (head size % 32 == 0); else on VDPBF16PS (head size % 16 == 0)
   bool vnni;  // vLLM's `amx` cache layout (bf16): k/v point at the K and V regions, sk0/sv0 = block stride,
               // sk2/sv2 = head stride; K groups and V pair rows are read in place (see vnni_split)
@@ -839,7 +844,7 @@ class Kernel {
     const int64_t offset = kv_len - q_len;
     const int n_trials = static_cast<int>(p.T);
     sc.q.resize(static_cast<size_t>(M) * D);
-    sc.packed = p.packed && M >= kPackedMinRows;
+    sc.packed = p.packed && M >= (p.tiles ? kTileMinRows : kPackedMinRows);
     sc.slot_rows = sc.packed ? M + 16 : M;
     sc.s.resize(static_cast<size_t>(2) * sc.slot_rows * kTileK);
     sc.kept_g.resize(static_cast<size_t>(2) * M);
@@ -1407,7 +1412,7 @@ class Kernel {
       }
     }
 #if defined(MODELOPT_EXT_AMX)
-    if (p.tiles) amx_configure();
+    if (p.tiles) amx_configure(std::min(M, 16));
 #endif
 #else
     (void)it, (void)sc, (void)M;
