@@ -142,8 +142,9 @@ bool dot_active() {
 // Which items run on the packed bf16 pairs. Prefill items (at least one tile's 16 rows) run 2x faster there. Decode
 // items (one GQA group of (row, head) pairs) run on AMX tiles when the group has at least kTileMinRows heads: the A
 // and C tiles then hold the group's rows only (amx_configure), and on the Xeon with AMX (bf16, `amx` layout, 1 and
-// 2 threads) decode ran 1.07-1.37x faster than on the vector path at 8 heads per KV head and 1.00-1.26x at 6, against
-// 0.96-1.13x at 4 and 0.84-1.10x at 3 (1 thread; with few rows the vector path's FMAs are not what limits decode). VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
+// 2 threads) decode ran 1.07-1.37x faster than on the vector path at 8 heads per KV head and 1.00-1.26x at 6,
+// against 0.96-1.13x at 4 and 0.84-1.10x at 3 (1 thread; with few rows the vector path's FMAs are not what limits
+// decode). VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
 // decisions of a row are the same on every path up to float rounding of its scores (docs/skip_softmax.md
 // "Precision"); the threshold depends on the item's pairs only, so a row takes the same path on either cache layout.
 constexpr int kPackedMinRows = 16;
