@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "skip_softmax_cpu.cpp"
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+# -falign-loops=64: hot loops start on a cache line. Without it bf16 decode moved by 5-8 % with unrelated edits
+# elsewhere in the source (code placement); with it, the same source decoded 1.02-1.09x faster (Xeon with AMX).
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-falign-loops=64")
 _LDFLAGS = ("-fopenmp",)
 DISABLE_ENV = "MODELOPT_EXT_CPU_KERNEL"
 AMX_ENV = "MODELOPT_EXT_CPU_AMX"  # 0: bf16 stays off AMX tiles on CPUs with them
