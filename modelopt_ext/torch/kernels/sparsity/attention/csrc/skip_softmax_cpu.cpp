@@ -46,7 +46,7 @@
 // bf16 pairs: K and V interleaved into "VNNI" pairs (two consecutive elements of the reduction axis side by side),
 // the operand layout of AMX tiles and of AVX512-BF16's VDPBF16PS. Compiled where -march=native has AVX512-BF16
 // (every AMX CPU, and CPUs without tiles such as AMD Zen 4/5 and Intel Cooper Lake).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
 #define MODELOPT_EXT_BF16_PAIRS 1
 #endif
 
