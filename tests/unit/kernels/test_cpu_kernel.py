@@ -474,6 +474,30 @@ def test_bf16_softcap_on_every_engine(bf16_path):
     close(dense, oracle(case, None, softcap=cap).out, torch.bfloat16)
 
 
+def test_prefill_blocks_at_every_tile_boundary(bf16_path):
+    """A 16-row block takes the tile-max pass without masking only where its first row sees the whole tile. Prefill
+    chunks starting at every offset around the first two tile boundaries put the first row of each block at 63, 64
+    and 65 visible keys of a tile (one query head per KV head: row m sits at offset + m): counts equal the float64
+    oracle's and outputs stay within tolerance, skipping and dense, in bf16 on each engine and (with the vector
+    engine) in fp32. The last key of every tile carries a V 50x the others, so a score the causal mask should have
+    hidden from a block's first row (a block taken as whole one key too early) moves that row's output far past the
+    bf16 tolerance."""
+    offsets = [*range(28, 68), *range(92, 132)]
+    q_lens, kv_lens = [48] * len(offsets), [o + 48 for o in offsets]
+    dtypes = [torch.bfloat16] + ([torch.float32] if bf16_path == "vector" else [])
+    for dtype in dtypes:
+        case = make_case(q_lens, kv_lens, hq=2, hkv=2, d=64, page=32, dtype=dtype, seed=52)
+        for b, kv in enumerate(kv_lens):
+            for pos in range(63, kv, 64):
+                case.v_cache[case.block_table[b, pos // 32], pos % 32] *= 50
+        lam = safe_lambdas(case, torch.full((case.batch,), 0.05))
+        ref = oracle(case, log_lams_tensor(lam, case.batch))
+        out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0
+        close(out, ref.out, dtype)
+        close(run(case, "cpu")[0], dense_attention_f64(case), dtype)
+
+
 def _poison_amx_case(case, page):
     """NaN/inf in every slot past each sequence's kv_len (its last page) and in every page no sequence uses."""
     k, v = case.k_cache, case.v_cache  # 6-D split views: (b, t, h, d) at [b, t // p2, t % p2, h, ...]
