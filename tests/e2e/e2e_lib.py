@@ -36,9 +36,10 @@ def env(**extra) -> dict:
     return out
 
 
-def readme_calibrate_command(ckpt: Path) -> list[str]:
+def readme_calibrate_command(ckpt: Path, *extra: str) -> list[str]:
     """The calibrate command of README.md's usage section, as written, with its checkpoint placeholder replaced,
-    followed by the arguments the README gives for vLLM's CPU engine (`**CPU engine** ... add `...``)."""
+    followed by the arguments the README gives for vLLM's CPU engine (`**CPU engine** ... add `...``). `extra`: flag /
+    value pairs, replacing the README's value of a flag it sets, else appended."""
     text = README.read_text()
     start = text.index("python examples/vllm_serve/calibrate_sparse_attn.py")
     lines = []
@@ -51,7 +52,13 @@ def readme_calibrate_command(ckpt: Path) -> list[str]:
     assert cpu, "README.md no longer says which arguments make calibration short on the CPU engine"
     argv += shlex.split(cpu.group(1))
     assert argv[:2] == ["python", "examples/vllm_serve/calibrate_sparse_attn.py"] and README_CKPT in argv, argv
-    return [sys.executable, str(REPO / argv[1]), *[str(ckpt) if a == README_CKPT else a for a in argv[2:]]]
+    cmd = [sys.executable, str(REPO / argv[1]), *[str(ckpt) if a == README_CKPT else a for a in argv[2:]]]
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        if flag in cmd:
+            cmd[cmd.index(flag) + 1] = value
+        else:
+            cmd += [flag, value]
+    return cmd
 
 
 def calibrate_with_readme_command(ckpt: Path, work: Path, *extra: str) -> tuple[str, dict]:
@@ -60,12 +67,7 @@ def calibrate_with_readme_command(ckpt: Path, work: Path, *extra: str) -> tuple[
     and the records it wrote ({"layers": [...], "counts": array})."""
     import numpy as np
 
-    cmd = readme_calibrate_command(ckpt)
-    for flag, value in zip(extra[::2], extra[1::2], strict=True):  # a flag the README sets gets the new value
-        if flag in cmd:
-            cmd[cmd.index(flag) + 1] = value
-        else:
-            cmd += [flag, value]
+    cmd = readme_calibrate_command(ckpt, *extra)
     proc = subprocess.run(cmd, env=env(OMP_NUM_THREADS="1"), cwd=work, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     (work / "calibrate.log").write_text(log)

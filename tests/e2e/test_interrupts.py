@@ -45,8 +45,7 @@ def test_signal_shuts_the_engine_down_and_writes_nothing(smollm2_checkpoint, tmp
     config_before = (ckpt / "config.json").read_bytes()
     ckpt_before = sorted(p.name for p in ckpt.iterdir())
     log = tmp_path / "calibrate.log"
-    cmd = readme_calibrate_command(ckpt)
-    cmd[cmd.index("--decode_tokens") + 1] = "256"
+    cmd = readme_calibrate_command(ckpt, "--decode_tokens", "256")
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=work, env=env(TMPDIR=str(tmp)), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
