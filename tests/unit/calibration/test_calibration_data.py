@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
 
 import pytest
@@ -12,6 +14,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import (
     BASE_TASKS,
     ESSAY_TASK,
     CalibrationSample,
+    _task_renderer,
     build_calibration_prompts,
     load_prompts_file,
     samples_from_prompts,
@@ -174,9 +177,40 @@ def test_essay_dir_adds_an_essay_haystack(tokenizer, tmp_path):
         build_calibration_prompts(tokenizer, num_samples=1, max_seqlen=512, tasks=(ESSAY_TASK,), use_cache=False)
 
 
+def _template_tokens(tokenizer, task):
+    """Tokens of a task's prompt with an empty haystack (the smallest prompt the task can make)."""
+    return len(tokenizer.encode(_task_renderer(task, random.Random(0), [])(0)))
+
+
+def test_a_bin_too_short_for_a_template_goes_to_the_next_task(tokenizer, caplog):
+    """The default shortest bin (max / 8) can be shorter than a retrieval task's template (variable_tracking has
+    ~140 tokens with SmolLM2's tokenizer; `--calib_max_seqlen 1024` makes a 128-token bin): that task's samples in
+    that bin go to the next task that fits, the other bins keep the task, and nothing is over its target."""
+    base = _template_tokens(tokenizer, "variable_tracking")
+    short = 1 << (base.bit_length() - 1)  # the largest power of two below the template
+    assert short < base <= 2 * short
+    tasks = ("variable_tracking", "prose", "code")
+    with caplog.at_level(logging.INFO, logger="modelopt_ext"):
+        samples = build_calibration_prompts(
+            tokenizer, num_samples=3 * 3, max_seqlen=4 * short, min_seqlen=short, tasks=tasks, use_cache=False
+        )
+    assert [(s.task, s.target_length) for s in samples] == [
+        ("variable_tracking", 4 * short), ("variable_tracking", 2 * short), ("prose", short),
+        ("prose", 4 * short), ("prose", 2 * short), ("prose", short),
+        ("code", 4 * short), ("code", 2 * short), ("code", short),
+    ]  # fmt: skip
+    for s in samples:
+        assert 0 < s.num_tokens == len(tokenizer.encode(s.prompt)) <= s.target_length
+    assert f"'variable_tracking' left out of the {short}-token length bin" in caplog.text
+
+
 def test_too_short_target_names_the_fix(tokenizer):
-    with pytest.raises(ValueError, match="raise min_seqlen"):
-        build_calibration_prompts(tokenizer, num_samples=4, max_seqlen=64, min_seqlen=64, use_cache=False)
+    base = _template_tokens(tokenizer, "niah_noise")
+    short = 1 << (base.bit_length() - 1)
+    with pytest.raises(ValueError, match=rf"raise min_seqlen to at least {2 * short}"):
+        build_calibration_prompts(
+            tokenizer, num_samples=2, max_seqlen=short, min_seqlen=short, tasks=("niah_noise",), use_cache=False
+        )
 
 
 def test_load_prompts_file(tmp_path, tokenizer):

@@ -173,6 +173,17 @@ def _count_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text))
 
 
+class TemplateTooLong(ValueError):
+    """A task's prompt template, with an empty haystack, already has more tokens than a length bin allows."""
+
+    def __init__(self, task: str, base: int, target: int):
+        super().__init__(
+            f"task {task!r}: the prompt template alone has {base} tokens, more than the target length {target}; "
+            "raise min_seqlen"
+        )
+        self.task, self.base, self.target = task, base, target
+
+
 def _fit_to_length(render: Callable[[int], str], tokenizer: Any, target: int, task: str) -> tuple[str, int]:
     """Largest haystack size whose prompt has <= target tokens.
 
@@ -185,10 +196,7 @@ def _fit_to_length(render: Callable[[int], str], tokenizer: Any, target: int, ta
 
     base = count(0)
     if base > target:
-        raise ValueError(
-            f"task {task!r}: the prompt template alone has {base} tokens, more than the target length {target}; "
-            "raise min_seqlen"
-        )
+        raise TemplateTooLong(task, base, target)
     probe = 32
     per_unit = max((count(probe) - base) / probe, 1e-3)
     guess = max(1, int((target - base) / per_unit))
@@ -282,7 +290,8 @@ def build_calibration_prompts(
     Sample i gets length bin `i % n_bins` and task `(i // n_bins) % n_tasks`: each task is run at every length
     before the next task starts, so the lengths see the same mix of tasks and the fitted length law is not a task
     difference in disguise (with one task per length, the "length exponent" fits which task sat at which length);
-    n_bins * n_tasks samples cover every (length, task) pair. `data_dir` adds the
+    n_bins * n_tasks samples cover every (length, task) pair. A task whose template alone is longer than a bin
+    (a retrieval task in a 128-token bin) gives its samples there to the next task in the list. `data_dir` adds the
     `niah_essay` task over its `.txt` files. Results are cached under `cache_dir` (default
     `$XDG_CACHE_HOME/modelopt_ext/calibration_data`) unless `use_cache=False`.
     """
@@ -315,13 +324,35 @@ def build_calibration_prompts(
             return cached
 
     samples = []
+    too_long: dict[tuple[str, int], int] = {}  # (task, length bin) -> template tokens, for tasks a bin cannot hold
     for i in range(num_samples):
         n_bins = len(lengths)
         length = lengths[i % n_bins]
-        task = task_list[(i // n_bins) % len(task_list)]
-        rng = random.Random(seed * 1_000_003 + i)
-        prompt, n_tokens = _fit_to_length(_task_renderer(task, rng, essay_sentences), tokenizer, length, task)
-        samples.append(CalibrationSample(prompt=prompt, num_tokens=n_tokens, task=task, target_length=length))
+        first = (i // n_bins) % len(task_list)
+        # A task whose template alone exceeds this bin (e.g. variable_tracking, ~140 tokens, in a 128-token bin) gives
+        # its sample to the next task in the list that fits, so short bins still get their samples.
+        for task in task_list[first:] + task_list[:first]:
+            if (task, length) in too_long:
+                continue
+            rng = random.Random(seed * 1_000_003 + i)
+            try:
+                prompt, n_tokens = _fit_to_length(_task_renderer(task, rng, essay_sentences), tokenizer, length, task)
+            except TemplateTooLong as exc:
+                too_long[(task, length)] = exc.base
+                continue
+            samples.append(CalibrationSample(prompt=prompt, num_tokens=n_tokens, task=task, target_length=length))
+            break
+        else:
+            shortest = min(base for (_, n), base in too_long.items() if n == length)
+            raise ValueError(
+                f"no calibration task fits the {length}-token length bin: the shortest prompt template has {shortest} "
+                f"tokens; raise min_seqlen to at least {1 << (shortest - 1).bit_length()}"
+            )
+    for (task, length), base in sorted(too_long.items(), key=lambda x: (-x[0][1], x[0][0])):
+        logger.info(
+            "calibration task %r left out of the %d-token length bin (its template alone has %d tokens); "
+            "its samples there use the next task in the list", task, length, base,
+        )  # fmt: skip
     logger.info("built %d calibration prompts, lengths %s, tasks %s", len(samples), lengths, list(task_list))
     if use_cache:
         try:
