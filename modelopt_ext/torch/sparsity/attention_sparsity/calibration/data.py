@@ -181,7 +181,7 @@ class TemplateTooLong(ValueError):
             f"task {task!r}: the prompt template alone has {base} tokens, more than the target length {target}; "
             "raise min_seqlen"
         )
-        self.task, self.base, self.target = task, base, target
+        self.base = base
 
 
 def _fit_to_length(render: Callable[[int], str], tokenizer: Any, target: int, task: str) -> tuple[str, int]:
@@ -323,31 +323,15 @@ def build_calibration_prompts(
             logger.info("loaded %d calibration prompts from %s", len(cached), cache_path)
             return cached
 
-    samples = []
+    n_bins = len(lengths)
     too_long: dict[tuple[str, int], int] = {}  # (task, length bin) -> template tokens, for tasks a bin cannot hold
+    samples = []
     for i in range(num_samples):
-        n_bins = len(lengths)
-        length = lengths[i % n_bins]
-        first = (i // n_bins) % len(task_list)
-        # A task whose template alone exceeds this bin (e.g. variable_tracking, ~140 tokens, in a 128-token bin) gives
-        # its sample to the next task in the list that fits, so short bins still get their samples.
-        for task in task_list[first:] + task_list[:first]:
-            if (task, length) in too_long:
-                continue
-            rng = random.Random(seed * 1_000_003 + i)
-            try:
-                prompt, n_tokens = _fit_to_length(_task_renderer(task, rng, essay_sentences), tokenizer, length, task)
-            except TemplateTooLong as exc:
-                too_long[(task, length)] = exc.base
-                continue
-            samples.append(CalibrationSample(prompt=prompt, num_tokens=n_tokens, task=task, target_length=length))
-            break
-        else:
-            shortest = min(base for (_, n), base in too_long.items() if n == length)
-            raise ValueError(
-                f"no calibration task fits the {length}-token length bin: the shortest prompt template has {shortest} "
-                f"tokens; raise min_seqlen to at least {1 << (shortest - 1).bit_length()}"
-            )
+        first = (i // n_bins) % len(task_list)  # the sample's task, then the others in list order
+        tasks_from = task_list[first:] + task_list[:first]
+        samples.append(
+            _sample_in_bin(tokenizer, seed * 1_000_003 + i, lengths[i % n_bins], tasks_from, essay_sentences, too_long)
+        )
     for (task, length), base in sorted(too_long.items(), key=lambda x: (-x[0][1], x[0][0])):
         logger.info(
             "calibration task %r left out of the %d-token length bin (its template alone has %d tokens); "
@@ -361,6 +345,36 @@ def build_calibration_prompts(
         except OSError as exc:  # a read-only cache must not fail calibration
             logger.warning("could not write calibration prompt cache %s: %s", cache_path, exc)
     return samples
+
+
+def _sample_in_bin(
+    tokenizer: Any,
+    rng_seed: int,
+    length: int,
+    tasks: tuple[str, ...],
+    essay_sentences: list[str],
+    too_long: dict[tuple[str, int], int],
+) -> CalibrationSample:
+    """One prompt of the `length` bin from the first of `tasks` whose template fits it.
+
+    A task whose template alone exceeds the bin (e.g. variable_tracking, ~140 tokens, in a 128-token bin) gives its
+    sample to the next task, so short bins still get their samples; `too_long` remembers such (task, bin) pairs.
+    """
+    for task in tasks:
+        if (task, length) in too_long:
+            continue
+        try:
+            render = _task_renderer(task, random.Random(rng_seed), essay_sentences)
+            prompt, n_tokens = _fit_to_length(render, tokenizer, length, task)
+        except TemplateTooLong as exc:
+            too_long[(task, length)] = exc.base
+            continue
+        return CalibrationSample(prompt=prompt, num_tokens=n_tokens, task=task, target_length=length)
+    shortest = min(base for (_, n), base in too_long.items() if n == length)
+    raise ValueError(
+        f"no calibration task fits the {length}-token length bin: the shortest prompt template has {shortest} "
+        f"tokens; raise min_seqlen to at least {1 << (shortest - 1).bit_length()}"
+    )
 
 
 def _load_cache(path: Path, key: dict) -> list[CalibrationSample] | None:
