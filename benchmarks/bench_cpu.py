@@ -38,7 +38,9 @@ Engine level (`engine`): SmolLM2 on vLLM's CPU engine (fp32, prefix caching off,
 tokens (prose and code held out from calibration) plus 64 generated tokens, dense native vs sparse at the
 checkpoint's calibrated target, in two long-lived engine processes driven alternately (interleaved, 3 runs each by
 default, `--repeats`), reporting the median wall time, the speedup and the realized sparsity per phase from the
-sparse engine's status RPC.
+sparse engine's status RPC. Both engines run in vLLM's default mode, the model compiled by torch.compile (the
+first start compiles for a minute or two, later starts reuse vLLM's compile cache); `--enforce-eager` runs both
+eagerly instead (the mode of the engine figures in docs/benchmarks.md measured before 2026-12-05 noon).
 
 Results go to --out: results.json (all records), table.md (what the README shows) and speedup.png.
 """
@@ -456,8 +458,8 @@ def engine_worker(args) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(args.model), dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=False, seed=0)  # fmt: skip
+    llm = LLM(model=str(args.model), dtype=DTYPES[args.dtype], max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager, enable_prefix_caching=False, seed=0)  # fmt: skip
     sparse = args.sparse
 
     def status():
@@ -486,7 +488,7 @@ class EngineProcess:
     """A long-lived `engine-worker` subprocess (vLLM in-process inside it, one OpenMP thread)."""
 
     def __init__(self, model: Path, sparse: bool, max_model_len: int, threads: int, backend: str, log: Path,
-                 dtype: str = "fp32"):
+                 dtype: str = "fp32", enforce_eager: bool = False):
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    MODELOPT_EXT_SPARSE_ATTN="1" if sparse else "0")  # fmt: skip
@@ -494,6 +496,8 @@ class EngineProcess:
             env["MODELOPT_EXT_SPARSE_ATTN_BACKEND"] = backend
         cmd = [sys.executable, str(Path(__file__).resolve()), "engine-worker", "--model", str(model),
                "--max-model-len", str(max_model_len), "--dtype", dtype] + (["--sparse"] if sparse else [])  # fmt: skip
+        if enforce_eager:
+            cmd.append("--enforce-eager")
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=str(REPO))  # fmt: skip
@@ -533,9 +537,9 @@ def run_engine(args) -> list[dict]:
     max_pos = json.loads((args.model / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     max_len = min(max(args.lengths) + args.gen_tokens, max_pos)  # SmolLM2: 8192, so "8k" is 8128 + 64
     dense = EngineProcess(args.model, False, max_len, args.threads, args.kernel_backend, args.out / "dense.log",
-                          args.dtype)
+                          args.dtype, args.enforce_eager)
     sparse = EngineProcess(ckpt, True, max_len, args.threads, args.kernel_backend, args.out / "sparse.log",
-                           args.dtype)
+                           args.dtype, args.enforce_eager)
     print(f"sparse engine: {sparse.ready['status']['sparse_layers']} sparse layers, impls "
           f"{sparse.ready['status']['impls']}", flush=True)  # fmt: skip
     records = []
@@ -564,7 +568,7 @@ def run_engine(args) -> list[dict]:
                            dense_s=statistics.median(times["dense"]), sparse_s=statistics.median(times["sparse"]),
                            dense_runs=times["dense"], sparse_runs=times["sparse"], target=args.target,
                            sparsity=realized, greedy_tokens_equal=same, kernel_backend=args.kernel_backend,
-                           law=args.law, fit_json=str(args.fit_json))  # fmt: skip
+                           law=args.law, fit_json=str(args.fit_json), enforce_eager=args.enforce_eager)  # fmt: skip
                 records.append(rec)
                 print(f"{source} {len(ids)}+{args.gen_tokens}: dense {rec['dense_s']:.1f}s "
                       f"sparse {rec['sparse_s']:.1f}s"
@@ -681,8 +685,9 @@ def plot(out: Path) -> None:
                      f"backend {o['backend'] * 1e6:.0f} µs, through `paged_skip_softmax_attention` (argument "
                      f"normalisation in Python) {o['api'] * 1e6:.0f} µs.")  # fmt: skip
     if data.get("engine"):
-        parts.append("### Engine level (SmolLM2, vLLM CPU engine, wall time of prompt + generation)\n\n"
-                     + engine_table(data["engine"]))  # fmt: skip
+        modes = sorted({"eager" if r.get("enforce_eager", True) else "compiled" for r in data["engine"]})
+        parts.append(f"### Engine level (SmolLM2, vLLM CPU engine, {' and '.join(modes)}, wall time of prompt + "
+                     "generation)\n\n" + engine_table(data["engine"]))  # fmt: skip
     (out / "table.md").write_text("\n\n".join(parts) + "\n")
     print("\n\n".join(parts))
     try:
@@ -763,12 +768,15 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype of both engines")
     e.add_argument("--kernel-backend", default="cpu", help="MODELOPT_EXT_SPARSE_ATTN_BACKEND of the sparse engine "
                    "('' leaves the plugin's default)")
+    e.add_argument("--enforce-eager", action="store_true", help="run both engines eagerly (vLLM's --enforce-eager) "
+                   "instead of vLLM's default, the model compiled by torch.compile")
     e.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     w = sub.add_parser("engine-worker", help=argparse.SUPPRESS)
     w.add_argument("--model", type=Path, required=True)
     w.add_argument("--max-model-len", type=int, required=True)
     w.add_argument("--sparse", action="store_true")
     w.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    w.add_argument("--enforce-eager", action="store_true")
     pl = sub.add_parser("plot", help="rewrite table.md and speedup.png from results.json")
     pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     args = p.parse_args(argv)
