@@ -73,7 +73,7 @@ def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[
     cmd = [
         python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(model), "--served-model-name", model.name,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+        "--dtype", "float32", "--max-model-len", "2048",
         *extra_args,
     ]  # fmt: skip
     env = dict(os.environ)
