@@ -74,6 +74,8 @@ def build_reader():
     from torch.utils.cpp_extension import load_inline
 
     flags = bench_cpu.cpu_flags()
+    if "avx2" not in flags:
+        raise SystemExit("decode_read_bound.py reads with AVX2 or AVX-512 loads; this CPU has neither")
     isa = "-mavx512f" if "avx512f" in flags else "-mavx2"
     return load_inline("modelopt_ext_read_bound", _READER, functions=["read_all"], extra_cflags=["-O3", isa])
 
