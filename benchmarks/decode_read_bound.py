@@ -21,7 +21,6 @@ s≈0.7 the bytes allow, read × (2 − s_kv) / 2, as a speedup over native.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -80,7 +79,7 @@ def build_reader():
     return load_inline("modelopt_ext_read_bound", _READER, functions=["read_all"], extra_cflags=["-O3", isa])
 
 
-def measure(reader, kv_len: int, batch: int, dtype, rounds: int, min_seconds: float) -> dict:
+def measure(reader, kv_len: int, batch: int, dtype, rounds: int, min_seconds: float, hot: bool) -> dict:
     case = bench_cpu.KernelCase("decode", kv_len, batch, dtype)
     case.set_threads(1)
     lam = bench_cpu.find_lambdas(case, (0.7,))[0.7]
@@ -93,8 +92,9 @@ def measure(reader, kv_len: int, batch: int, dtype, rounds: int, min_seconds: fl
     }
     runs = bench_cpu.time_interleaved(fns, rounds, min_seconds, stat=None)
     med = {name: statistics.median(ts) for name, ts in runs.items()}
-    return dict(kv_len=kv_len, batch=batch, copies=len(case.caches), bytes_per_call=case.bytes_per_call(),
-                realized=lam[1], kv_tile_skip=s_kv, rounds=len(runs["native"]), seconds=med)  # fmt: skip
+    return dict(kv_len=kv_len, batch=batch, dtype=str(dtype).removeprefix("torch."), threads=1, hot=hot,
+                copies=len(case.caches), bytes_per_call=case.bytes_per_call(), realized=lam[1], kv_tile_skip=s_kv,
+                rounds=len(runs["native"]), seconds=med)  # fmt: skip
 
 
 def table(records: list[dict]) -> str:
@@ -133,12 +133,9 @@ def main(argv=None) -> None:
     records = []
     for kv_len in args.decode:
         for batch in args.batch:
-            records.append(measure(reader, kv_len, batch, dtype, args.rounds, args.min_seconds))
+            records.append(measure(reader, kv_len, batch, dtype, args.rounds, args.min_seconds, args.hot))
             print(table(records[-1:]).splitlines()[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    machine = dict(model=bench_cpu.cpu_model(), flags=bench_cpu.cpu_flags(), threads=1)
-    (args.out / "results.json").write_text(json.dumps(dict(machine=machine, dtype=args.dtype, hot=args.hot,
-                                                           records=records), indent=1))  # fmt: skip
+            bench_cpu.write_json(args.out, "decode_read_bound", records)  # after each shape, atomically
     (args.out / "table.md").write_text(table(records) + "\n")
     print(table(records))
 
