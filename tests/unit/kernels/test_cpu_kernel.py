@@ -424,7 +424,6 @@ def test_packed_rows_do_not_depend_on_chunking_or_batch(packed_engine):
     assert torch.equal(total, counts[0])
 
 
-
 def test_packed_rows_rescale_when_scores_climb(packed_engine):
     """The packed path raises a row's softmax max only when a tile's max exceeds it by more than 8: scores that climb
     by 64 per 64-key tile (to about 200) make every row rescale its state at almost every tile, and short diagonal
@@ -521,7 +520,7 @@ def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     oracle's, outputs within bf16 tolerance of the float64 oracle, dense and skipping, with NaN/inf in every slot
     past kv_len and in unused pages; and bitwise the outputs of the same K/V in the `vec` layout ("cpu_t") on the
     same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows; on
-    AMX tiles decode rows of 6 and 8 heads per KV head run on tiles of the group's rows, 2 and 3 on vectors."""
+    AMX tiles decode rows (3 to 15 heads per KV head here) run on tiles of the group's rows (decode_tiles)."""
     q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
     kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49)
     case = make_case(q_lens, kv_lens, layout="cpu_amx", **kw)
@@ -542,6 +541,71 @@ def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     out_cal, cal = run(case, "cpu", trials=trials)
     assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
     assert torch.equal(out_cal, dense)
+
+
+def _climb_keys(case, page):
+    """Scores that climb by the key's position: K[pos, every head, dim 0] = pos (exact in bf16 below 256) and
+    Q[..., 0] = sqrt(D), so with the 1/sqrt(D) scale each 64-key tile's max is about 64 above the last one's. Writes
+    the 4-D (`vec`) or the 6-D (`amx`) views in place."""
+    q0 = 0
+    for b, kv in enumerate(case.kv_lens):
+        pos = torch.arange(kv)
+        blk, t = case.block_table[b, pos // page].long(), pos % page
+        val = pos.to(case.k_cache.dtype).unsqueeze(-1)
+        if case.k_cache.dim() == 6:
+            case.k_cache[blk, t // 16, t % 16, :, 0, 0] = val
+        else:
+            logical(case.k_cache)[blk, t, :, 0] = val
+        case.q[q0 : q0 + case.q_lens[b], :, 0] = math.sqrt(case.q.shape[-1])
+        q0 += case.q_lens[b]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (5, 1, 32), (15, 1, 128)], ids=["gqa3-d64", "gqa5-d32",
+                                                                               "gqa15-d128"])  # fmt: skip
+def test_amx_layout_decode_on_tiles_of_the_group(bf16_engines, hq, hkv, d):
+    """Decode rows and short chunks of 3 to 15 (row, head) pairs on vLLM's `amx` layout run on AMX tiles of those
+    rows, tile by tile, their next K and kept V prefetched (decode_tiles): counts equal the float64 oracle's
+    (serving, and calibration trials), outputs within bf16 tolerance of it and bitwise those of the same K/V on the
+    `vec` layout (the pipelined tile path), with and without soft-capping, across key splits (2100 keys), at tile
+    and page boundaries, with NaN/inf past kv_len and in unused pages. Scores that climb about 64 per tile make
+    each row rescale its output between two P·V steps (the exp of a tile runs after P·V of the one before)."""
+    bf16_engines("amx")
+    page = 32
+    q_lens, kv_lens = [1, 1, 1, 2, 3, 1], [2100, 33, 64, 130, 70, 97]
+    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=53)
+    case, vec = make_case(q_lens, kv_lens, layout="cpu_amx", **kw), make_case(q_lens, kv_lens, layout="cpu_t", **kw)
+    _poison_amx_case(case, page)
+    for cap in (0.0, 2.5):
+        stats = oracle(vec, None, softcap=cap).tile_stats
+        log_lams = torch.tensor([[safe_log_lambda(-0.7, stats[b])] for b in range(case.batch)], dtype=torch.float64)
+        lam = log_lams[:, 0].exp().float()
+        ref = oracle(vec, log_lams, softcap=cap)
+        out, counts = run(case, "cpu", skip_threshold=lam, counts=True, logits_soft_cap=cap)
+        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, cap
+        close(out, ref.out, torch.bfloat16)
+        out_vec, counts_vec = run(vec, "cpu", skip_threshold=lam, counts=True, logits_soft_cap=cap)
+        assert torch.equal(out, out_vec) and torch.equal(counts, counts_vec), cap
+        dense, _ = run(case, "cpu", logits_soft_cap=cap)
+        close(dense, oracle(vec, None, softcap=cap).out, torch.bfloat16)
+        assert torch.equal(dense, run(vec, "cpu", logits_soft_cap=cap)[0])
+    trials = safe_lambdas(vec, torch.tensor([1e-3, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    out_cal, cal = run(case, "cpu", trials=trials)
+    assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
+    assert torch.equal(out_cal, run(case, "cpu")[0])
+
+    q_lens, kv_lens = [1, 2, 1], [200, 130, 70]
+    case, vec = make_case(q_lens, kv_lens, layout="cpu_amx", **kw), make_case(q_lens, kv_lens, layout="cpu_t", **kw)
+    _climb_keys(case, page)
+    _climb_keys(vec, page)
+    dense, _ = run(case, "cpu")
+    assert torch.isfinite(dense).all()
+    close(dense, dense_attention_f64(vec), torch.bfloat16)
+    assert torch.equal(dense, run(vec, "cpu")[0])
+    lam = torch.full((case.batch,), 0.05)
+    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
+    ref = oracle(vec, log_lams_tensor(lam, case.batch))
+    assert torch.equal(counts, ref.counts)
+    close(out, ref.out, torch.bfloat16)
 
 
 def test_vllm_amx_cache_layout_in_the_reference_and_auto():

@@ -142,14 +142,14 @@ bool dot_active() {
 
 // Which items run on the packed bf16 pairs. Prefill items (at least one tile's 16 rows) run 2x faster there. Decode
 // items (one GQA group of (row, head) pairs) run on AMX tiles when the group has at least kTileMinRows heads: the A
-// and C tiles then hold the group's rows only (amx_configure), and on the Xeon with AMX (bf16, `amx` layout, 1 and
-// 2 threads) decode ran 1.07-1.37x faster than on the vector path at 8 heads per KV head and 1.00-1.26x at 6,
-// against 0.96-1.13x at 4 and 0.84-1.10x at 3 (1 thread; with few rows the vector path's FMAs are not what limits
-// decode). VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
+// and C tiles then hold the group's rows only (amx_configure). On vLLM's `amx` layout they run decode_tiles: on the
+// Xeon with AMX (bf16, 1 thread) 1.03-1.25x faster than the vector path at SmolLM2's 3 heads per KV head, and than
+// the pipelined tile path at 6 and 8 (0.97-1.02 at 2k keys, batch 1); at 1 and 2 heads 0.91-1.23, so those stay on
+// vectors. VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
 // decisions of a row are the same on every path up to float rounding of its scores (docs/skip_softmax.md
 // "Precision"); the threshold depends on the item's pairs only, so a row takes the same path on either cache layout.
 constexpr int kPackedMinRows = 16;
-constexpr int kTileMinRows = 6;
+constexpr int kTileMinRows = 3;
 
 #if defined(MODELOPT_EXT_AMX)
 struct alignas(64) TileConfig {
@@ -633,6 +633,40 @@ inline void prefetch_share(const char* const* pf, int npf, int i, int n_blocks) 
   for (int j = i * npf / n_blocks; j < (i + 1) * npf / n_blocks; ++j) __builtin_prefetch(pf[j], 0, 3);
 }
 
+// Cache lines to bring into L1 ahead of their tile loads, in order: runs of whole 1 KiB blocks (16 lines: a 16-row B
+// tile of the `amx` layout) queued as soon as their addresses are known, issued one block at a time between other
+// work (decode_tiles), without a list of line addresses built per tile.
+class LineQueue {
+ public:
+  void add(const void* p, int lines) {
+    if (tail_ - head_ == kCap) return;
+    start_[tail_ & (kCap - 1)] = static_cast<const char*>(p);
+    blocks_[tail_ & (kCap - 1)] = lines / 16;
+    ++tail_;
+    queued_ += lines / 16;
+  }
+  __attribute__((always_inline)) void issue16() {
+    if (head_ == tail_) return;
+    const char* q = start_[head_ & (kCap - 1)] + 1024 * j_;
+    for (int l = 0; l < 16; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T0);
+    --queued_;
+    if (++j_ == blocks_[head_ & (kCap - 1)]) {
+      ++head_;
+      j_ = 0;
+    }
+  }
+  // Issue blocks until at most `blocks` are queued.
+  void drain_to(int blocks) {
+    while (queued_ > blocks) issue16();
+  }
+
+ private:
+  static constexpr int kCap = 128;  // runs: two tiles' K groups and V steps of up to 32 dim tiles
+  const char* start_[kCap];
+  int blocks_[kCap];
+  int head_ = 0, tail_ = 0, j_ = 0, queued_ = 0;
+};
+
 #if defined(MODELOPT_EXT_BF16_PAIRS)
 // ---------------------------------------------------------------------------------------------------------------
 // The packed bf16 path on vectors (CPUs with AVX512-BF16 but no AMX tiles): the same operands as the AMX tiles —
@@ -837,8 +871,8 @@ struct Scratch {
   // `amx` cache layout: per buffer / slot, the tile's four 16-key K groups and its two 32-key V steps (in the
   // cache, or zeros / a packed copy where keys past kv_len would be read); dim tile stride of each V step.
   const uint16_t* kgrp[2][4];
-  const uint16_t* vstep[2][2];
-  int64_t vstep_dt[2][2];
+  const uint16_t* vstep[4][2];  // decode_tiles: four slots
+  int64_t vstep_dt[4][2];
   lines<uint16_t> kzero;
 };
 
@@ -926,6 +960,14 @@ class Kernel {
     // they ran 20-50 % slower at 3 heads per KV head and 13-20 % at 8, and 3-4 % at 16 and 32.
     const bool sw_prefetch = sc.packed || M <= kPrefetchMaxRows || kLanes != 16;
     int pending = -1;
+#if defined(MODELOPT_EXT_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (sc.packed && p.tiles && p.vnni && M < 16) {
+        decode_tiles(it, sc, M, t_begin, t_end, first_pos);
+        t_begin = t_end;  // the loop below runs no tile
+      }
+    }
+#endif
     for (int t = t_begin; t < t_end; ++t) {
       const int slot = t & 1;
       const int npf = sw_prefetch ? prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D) : 0;
@@ -1608,6 +1650,142 @@ class Kernel {
     (void)sc, (void)pp, (void)orow, (void)n, (void)n_steps, (void)slot;
 #endif
   }
+
+#if defined(MODELOPT_EXT_AMX)
+  // Tiles t_begin..t_end-1 of an item of fewer than 16 (row, head) pairs (decode: one GQA group) on AMX tiles with
+  // the `amx` layout. Iteration t runs, in this order: Q·K of tile t from the cache's K groups in place (scores
+  // stored from the C tiles); P·V of tile t - 2 on all M rows (P rows of the rows that dropped it are zeros, so it
+  // adds nothing to their output), C loaded from and stored to the output rows in place; masks and decisions of
+  // tile t; the exp of tile t - 1 into the P rows (after P·V of t - 2 has read them and before its own P·V, so a
+  // lazy rescale of a row's output stays in order). Each round trip through memory (tile store, vector load; vector
+  // store, tile load) thus has other work between its two halves, where right after each other the load stalled.
+  // Decode reads each byte once, so what it waits for is memory: the V steps a tile's kept rows read are queued for
+  // prefetch into L1 right after its decisions (two iterations before its P·V; a tile every row drops is never
+  // read), the K of tile t + 3 after them, and the queue is issued 16 lines at a time, spread over the iteration
+  // (every other tile instruction, every row of the decisions and the exp), so misses stay in flight while the core
+  // computes: issued in bursts (16 lines per tile instruction, none elsewhere) bf16 decode at batch 8 ran 3-8 %
+  // slower on the Xeon with AMX; V prefetched for every tile, kept or not, 16-32 % slower at s ~ 0.7 (docs/
+  // benchmarks.md). The masks, decisions and exp are the pipelined path's own functions (finish_scores, decide,
+  // online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's P·V adds the same products
+  // in the same order whichever rows share its tiles).
+  void decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
+    const Params& p = p_;
+    const int D = static_cast<int>(p.D);
+    const int ksteps = D / 32, dtiles = D / 16;
+    const int64_t kv_len = p.kvlen[it.b];
+    const int64_t vdt = 16 * p.page;  // V: elements between dim tiles
+    uint16_t* pb = sc.ppack.data();
+    float* o = sc.o.data();
+    const uint16_t* qb = sc.qb.data();
+    const size_t slot_elems = static_cast<size_t>(M) * kTileK;  // 4 slots of M rows fit in sc.s (M < 16)
+    sc.kept_g.resize(static_cast<size_t>(4) * M);
+    uint32_t kept[4] = {0, 0, 0, 0};
+    int j_end[4] = {0, 0, 0, 0};
+    int n_steps[4] = {0, 0, 0, 0};
+    const int row_pace = (M + 2) / 3;  // rows per prefetch block in the decision and exp loops: about 3 blocks each
+    LineQueue pf;
+    auto queue_k = [&](int t) {  // tile t's K groups (those that start before kv_len)
+      for (int g = 0; g < 4 && t < t_end; ++g) {
+        const int64_t key0 = static_cast<int64_t>(t) * kTileK + 16 * g;
+        if (key0 < kv_len) pf.add(k_group(it.b, it.kvh, key0), D / 2);
+      }
+    };
+    for (int a = 0; a < 3; ++a) queue_k(t_begin + a);
+    pf.drain_to(2 * D / 8);  // K of tile t_begin now, the next two during the first Q·K
+    for (int t = t_begin; t < t_end + 2; ++t) {
+      const int slot = t & 3;
+      const int64_t kstart = static_cast<int64_t>(t) * kTileK;
+      float* sbase = sc.s.data() + slot * slot_elems;
+      if (t < t_end) {  // Q·K of tile t
+        const uint16_t* grp[4];
+        k_groups(it, sc, t, grp);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int ks = 0; ks < ksteps; ++ks) {
+          _tile_loadd(0, qb + 32 * ks, D * 2);
+          const int row = ks * 16 * 32;
+          _tile_loadd(1, grp[0] + row, 64);
+          _tile_dpbf16ps(2, 0, 1);
+          _tile_loadd(6, grp[1] + row, 64);
+          _tile_dpbf16ps(3, 0, 6);
+          pf.issue16();
+          _tile_loadd(1, grp[2] + row, 64);
+          _tile_dpbf16ps(4, 0, 1);
+          _tile_loadd(6, grp[3] + row, 64);
+          _tile_dpbf16ps(5, 0, 6);
+          pf.issue16();
+        }
+        _tile_stored(2, sbase, kTileK * 4);
+        _tile_stored(3, sbase + 16, kTileK * 4);
+        _tile_stored(4, sbase + 32, kTileK * 4);
+        _tile_stored(5, sbase + 48, kTileK * 4);
+      }
+      const int pv = (t - 2) & 3;
+      if (t - 2 >= t_begin && j_end[pv] > 0) {  // P·V of tile t - 2
+        for (int dt = 0; dt < dtiles; dt += 2) {
+          _tile_loadd(2, o + 16 * dt, D * 4);
+          _tile_loadd(3, o + 16 * (dt + 1), D * 4);
+          for (int ks = 0; ks < n_steps[pv]; ++ks) {
+            _tile_loadd(0, pb + 32 * ks, kTileK * 2);
+            const int64_t dts = sc.vstep_dt[pv][ks];
+            const uint16_t* v = sc.vstep[pv][ks] + dt * dts;
+            _tile_loadd(1, v, 64);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(6, v + dts, 64);
+            _tile_dpbf16ps(3, 0, 6);
+            pf.issue16();
+          }
+          _tile_stored(2, o + 16 * dt, D * 4);
+          _tile_stored(3, o + 16 * (dt + 1), D * 4);
+        }
+      }
+      if (t < t_end) {  // masks and decisions of tile t; its V steps and a later K queued
+        kept[slot] = 0;
+        j_end[slot] = 0;
+        const int m_lo = kstart <= first_pos ? 0 : first_active(sc, M, kstart);
+        if (m_lo < M) {
+          if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.begin() + M, kNegInf);
+          finish_scores(it, sc, t, m_lo, M, sbase + static_cast<size_t>(m_lo) * kTileK);
+          float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
+          for (int m = m_lo; m < M; ++m) {
+            const float g = sc.g[m];
+            if (m % row_pace == 0) pf.issue16();
+            if (!decide(sc, t, m, g)) continue;
+            kept[slot] |= 1u << m;
+            kept_g[m] = g;
+            const int64_t visible =
+                std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart));
+            j_end[slot] = std::max(j_end[slot], static_cast<int>(visible));
+          }
+        }
+        for (int ks = 0; ks < 2 && 32 * ks < j_end[slot]; ++ks) {
+          sc.vstep[slot][ks] = v_pairs(it.b, it.kvh, kstart + 32 * ks);
+          sc.vstep_dt[slot][ks] = vdt;
+          for (int dt = 0; dt < dtiles; ++dt) pf.add(sc.vstep[slot][ks] + dt * vdt, 16);
+        }
+        queue_k(t + 3);
+      }
+      const int ex = (t - 1) & 3;
+      if (t - 1 >= t_begin && t - 1 < t_end && j_end[ex] > 0) {  // exp of tile t - 1 into the P rows
+        const float* kept_g = sc.kept_g.data() + static_cast<size_t>(ex) * M;
+        const float* sx = sc.s.data() + ex * slot_elems;
+        for (int m = 0; m < M; ++m) {
+          uint16_t* prow = pb + static_cast<size_t>(m) * kTileK;
+          if (m % row_pace == 0) pf.issue16();
+          if (kept[ex] >> m & 1u) {
+            online_softmax_row(sc, m, sx + static_cast<size_t>(m) * kTileK, kept_g[m], D, prow);
+          } else {
+            std::memset(prow, 0, sizeof(uint16_t) * kTileK);
+          }
+        }
+        n_steps[ex] = pack_v_pairs(sc, nullptr, j_end[ex], ex);  // copies a partly read step only
+      }
+      pf.drain_to(2 * D / 8);  // at most two tiles' worth left queued
+    }
+  }
+#endif
 
   // A row's softmax denominator: the sum of its kLanes partial sums.
   static float denominator(const Scratch& sc, int m) {
