@@ -143,8 +143,8 @@ bool dot_active() {
 // Which items run on the packed bf16 pairs. Prefill items (at least one tile's 16 rows) run 2x faster there. Decode
 // items (one GQA group of (row, head) pairs) run on AMX tiles when the group has at least kTileMinRows heads: the A
 // and C tiles then hold the group's rows only (amx_configure). On vLLM's `amx` layout they run decode_tiles: on the
-// Xeon with AMX (bf16, 1 thread) 1.03-1.25x faster than the vector path at SmolLM2's 3 heads per KV head, and than
-// the pipelined tile path at 6 and 8 (0.97-1.02 at 2k keys, batch 1); at 1 and 2 heads 0.91-1.23, so those stay on
+// Xeon with AMX (bf16, 1 thread, old / new) 1.00-1.22 against the vector path at SmolLM2's 3 heads per KV head and
+// 0.98-1.38 against the pipelined tile path at 6 and 8; at 1 and 2 heads 0.91-1.23 by shape, so those stay on
 // vectors. VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
 // decisions of a row are the same on every path up to float rounding of its scores (docs/skip_softmax.md
 // "Precision"); the threshold depends on the item's pairs only, so a row takes the same path on either cache layout.
@@ -1658,16 +1658,17 @@ class Kernel {
   // adds nothing to their output), C loaded from and stored to the output rows in place; masks and decisions of
   // tile t; the exp of tile t - 1 into the P rows (after P·V of t - 2 has read them and before its own P·V, so a
   // lazy rescale of a row's output stays in order). Each round trip through memory (tile store, vector load; vector
-  // store, tile load) thus has other work between its two halves, where right after each other the load stalled.
+  // store, tile load) thus has other work between its two halves (on the pipelined path a tile load right after
+  // the vector stores of its data stalled on them).
   // Decode reads each byte once, so what it waits for is memory: the V steps a tile's kept rows read are queued for
   // prefetch into L1 right after its decisions (two iterations before its P·V; a tile every row drops is never
   // read), the K of tile t + 3 after them, and the queue is issued 16 lines at a time, spread over the iteration
-  // (every other tile instruction, every row of the decisions and the exp), so misses stay in flight while the core
-  // computes: issued in bursts (16 lines per tile instruction, none elsewhere) bf16 decode at batch 8 ran 3-8 %
-  // slower on the Xeon with AMX; V prefetched for every tile, kept or not, 16-32 % slower at s ~ 0.7 (docs/
-  // benchmarks.md). The masks, decisions and exp are the pipelined path's own functions (finish_scores, decide,
-  // online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's P·V adds the same products
-  // in the same order whichever rows share its tiles).
+  // (after every other tile instruction, about three times in each of the decision and exp loops), so misses stay
+  // in flight while the core computes: issued in bursts (16 lines per tile instruction, none elsewhere) bf16 decode
+  // at batch 8 ran 3-8 % slower on the Xeon with AMX; V prefetched for every tile, kept or not, 16-32 % slower at
+  // s ~ 0.7 (docs/benchmarks.md). The masks, decisions and exp are the pipelined path's own functions
+  // (finish_scores, decide, online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's P·V
+  // adds the same products in the same order whichever rows share its tiles).
   void decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
