@@ -667,6 +667,66 @@ class LineQueue {
   int head_ = 0, tail_ = 0, j_ = 0, queued_ = 0;
 };
 
+#if defined(MODELOPT_EXT_AMX)
+struct NoHook {
+  void operator()() const {}
+};
+
+// Raw scores of the configured rows of bf16 Q (row stride D) against one 64-key tile given as its four 16-key K
+// groups (B tiles of D/2 rows of 32 bf16): s[row][64]. `between` runs after every other tile product (decode_tiles
+// issues prefetches there).
+template <typename Hook>
+__attribute__((always_inline)) inline void qk_groups_amx(const uint16_t* q, int D, const uint16_t* const* grp, float* s,
+                                                         Hook&& between) {
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int ks = 0; ks < D / 32; ++ks) {
+    _tile_loadd(0, q + 32 * ks, D * 2);
+    const int row = ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
+    _tile_loadd(1, grp[0] + row, 64);
+    _tile_dpbf16ps(2, 0, 1);
+    _tile_loadd(6, grp[1] + row, 64);
+    _tile_dpbf16ps(3, 0, 6);
+    between();
+    _tile_loadd(1, grp[2] + row, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(6, grp[3] + row, 64);
+    _tile_dpbf16ps(5, 0, 6);
+    between();
+  }
+  _tile_stored(2, s, kTileK * 4);
+  _tile_stored(3, s + 16, kTileK * 4);
+  _tile_stored(4, s + 32, kTileK * 4);
+  _tile_stored(5, s + 48, kTileK * 4);
+}
+
+// O += P · V for the configured rows: O fp32 rows of D in C tiles (row stride D), P bf16 rows of 64 (A tiles), V as
+// `n_steps` 32-key steps of B tiles, dim tile i of step ks at vstep[ks] + i · vstep_dt[ks]. `between` runs after
+// every other tile product.
+template <typename Hook>
+__attribute__((always_inline)) inline void pv_steps_amx(float* o, int D, const uint16_t* p, int n_steps,
+                                                        const uint16_t* const* vstep, const int64_t* vstep_dt,
+                                                        Hook&& between) {
+  for (int dt = 0; dt < D / 16; dt += 2) {  // D % 32 == 0: dim tiles come in pairs
+    _tile_loadd(2, o + 16 * dt, D * 4);
+    _tile_loadd(3, o + 16 * (dt + 1), D * 4);
+    for (int ks = 0; ks < n_steps; ++ks) {
+      _tile_loadd(0, p + 32 * ks, kTileK * 2);
+      const uint16_t* v = vstep[ks] + dt * vstep_dt[ks];
+      _tile_loadd(1, v, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(6, v + vstep_dt[ks], 64);
+      _tile_dpbf16ps(3, 0, 6);
+      between();
+    }
+    _tile_stored(2, o + 16 * dt, D * 4);
+    _tile_stored(3, o + 16 * (dt + 1), D * 4);
+  }
+}
+#endif
+
 #if defined(MODELOPT_EXT_BF16_PAIRS)
 // ---------------------------------------------------------------------------------------------------------------
 // The packed bf16 path on vectors (CPUs with AVX512-BF16 but no AMX tiles): the same operands as the AMX tiles —
@@ -1539,28 +1599,7 @@ class Kernel {
   void qk_block_amx(const Scratch& sc, int r, int buffer, float* s) const {
 #if defined(MODELOPT_EXT_AMX)
     const int D = static_cast<int>(p_.D);
-    const uint16_t* const* grp = sc.kgrp[buffer];
-    const uint16_t* qb = sc.qb.data();
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int ks = 0; ks < D / 32; ++ks) {
-      _tile_loadd(0, qb + static_cast<size_t>(r) * D + 32 * ks, D * 2);
-      const int row = ks * 16 * 32;  // rows 16ks.. of each group's [D/2][32]
-      _tile_loadd(1, grp[0] + row, 64);
-      _tile_dpbf16ps(2, 0, 1);
-      _tile_loadd(6, grp[1] + row, 64);
-      _tile_dpbf16ps(3, 0, 6);
-      _tile_loadd(1, grp[2] + row, 64);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(6, grp[3] + row, 64);
-      _tile_dpbf16ps(5, 0, 6);
-    }
-    _tile_stored(2, s, kTileK * 4);
-    _tile_stored(3, s + 16, kTileK * 4);
-    _tile_stored(4, s + 32, kTileK * 4);
-    _tile_stored(5, s + 48, kTileK * 4);
+    qk_groups_amx(sc.qb.data() + static_cast<size_t>(r) * D, D, sc.kgrp[buffer], s, NoHook{});
 #else
     (void)sc, (void)r, (void)buffer, (void)s;
 #endif
@@ -1621,28 +1660,12 @@ class Kernel {
   void pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps, int slot) const {
 #if defined(MODELOPT_EXT_AMX)
     const int D = static_cast<int>(p_.D);
-    const int dtiles = D / 16;
-    const int o_stride = D * 4;
     const bool direct = n == 16 && orow[15] - orow[0] == 15 * D;
     float* c = direct ? orow[0] : sc.ctmp.data();
     if (!direct) {
       for (int i = 0; i < n; ++i) copy_row(c + static_cast<size_t>(i) * D, orow[i], D);
     }
-    for (int dt = 0; dt < dtiles; dt += 2) {  // D % 32 == 0: dim tiles come in pairs
-      _tile_loadd(2, c + 16 * dt, o_stride);
-      _tile_loadd(3, c + 16 * (dt + 1), o_stride);
-      for (int ks = 0; ks < n_steps; ++ks) {
-        _tile_loadd(0, pp + 32 * ks, kTileK * 2);
-        const int64_t dts = sc.vstep_dt[slot][ks];
-        const uint16_t* b = sc.vstep[slot][ks] + dt * dts;
-        _tile_loadd(1, b, 64);
-        _tile_dpbf16ps(2, 0, 1);
-        _tile_loadd(6, b + dts, 64);
-        _tile_dpbf16ps(3, 0, 6);
-      }
-      _tile_stored(2, c + 16 * dt, o_stride);
-      _tile_stored(3, c + 16 * (dt + 1), o_stride);
-    }
+    pv_steps_amx(c, D, pp, n_steps, sc.vstep[slot], sc.vstep_dt[slot], NoHook{});
     if (!direct) {
       for (int i = 0; i < n; ++i) copy_row(orow[i], c + static_cast<size_t>(i) * D, D);
     }
@@ -1672,7 +1695,7 @@ class Kernel {
   void decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
-    const int ksteps = D / 32, dtiles = D / 16;
+    const int dtiles = D / 16;
     const int64_t kv_len = p.kvlen[it.b];
     const int64_t vdt = 16 * p.page;  // V: elements between dim tiles
     uint16_t* pb = sc.ppack.data();
@@ -1685,6 +1708,7 @@ class Kernel {
     int n_steps[4] = {0, 0, 0, 0};
     const int row_pace = (M + 2) / 3;  // rows per prefetch block in the decision and exp loops: about 3 blocks each
     LineQueue pf;
+    auto issue = [&pf]() __attribute__((always_inline)) { pf.issue16(); };
     auto queue_k = [&](int t) {  // tile t's K groups (those that start before kv_len)
       for (int g = 0; g < 4 && t < t_end; ++g) {
         const int64_t key0 = static_cast<int64_t>(t) * kTileK + 16 * g;
@@ -1700,47 +1724,11 @@ class Kernel {
       if (t < t_end) {  // Q·K of tile t
         const uint16_t* grp[4];
         k_groups(it, sc, t, grp);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_zero(5);
-        for (int ks = 0; ks < ksteps; ++ks) {
-          _tile_loadd(0, qb + 32 * ks, D * 2);
-          const int row = ks * 16 * 32;
-          _tile_loadd(1, grp[0] + row, 64);
-          _tile_dpbf16ps(2, 0, 1);
-          _tile_loadd(6, grp[1] + row, 64);
-          _tile_dpbf16ps(3, 0, 6);
-          pf.issue16();
-          _tile_loadd(1, grp[2] + row, 64);
-          _tile_dpbf16ps(4, 0, 1);
-          _tile_loadd(6, grp[3] + row, 64);
-          _tile_dpbf16ps(5, 0, 6);
-          pf.issue16();
-        }
-        _tile_stored(2, sbase, kTileK * 4);
-        _tile_stored(3, sbase + 16, kTileK * 4);
-        _tile_stored(4, sbase + 32, kTileK * 4);
-        _tile_stored(5, sbase + 48, kTileK * 4);
+        qk_groups_amx(qb, D, grp, sbase, issue);
       }
       const int pv = (t - 2) & 3;
       if (t - 2 >= t_begin && j_end[pv] > 0) {  // P·V of tile t - 2
-        for (int dt = 0; dt < dtiles; dt += 2) {
-          _tile_loadd(2, o + 16 * dt, D * 4);
-          _tile_loadd(3, o + 16 * (dt + 1), D * 4);
-          for (int ks = 0; ks < n_steps[pv]; ++ks) {
-            _tile_loadd(0, pb + 32 * ks, kTileK * 2);
-            const int64_t dts = sc.vstep_dt[pv][ks];
-            const uint16_t* v = sc.vstep[pv][ks] + dt * dts;
-            _tile_loadd(1, v, 64);
-            _tile_dpbf16ps(2, 0, 1);
-            _tile_loadd(6, v + dts, 64);
-            _tile_dpbf16ps(3, 0, 6);
-            pf.issue16();
-          }
-          _tile_stored(2, o + 16 * dt, D * 4);
-          _tile_stored(3, o + 16 * (dt + 1), D * 4);
-        }
+        pv_steps_amx(o, D, pb, n_steps[pv], sc.vstep[pv], sc.vstep_dt[pv], issue);
       }
       if (t < t_end) {  // masks and decisions of tile t; its V steps and a later K queued
         kept[slot] = 0;
