@@ -520,7 +520,7 @@ def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     oracle's, outputs within bf16 tolerance of the float64 oracle, dense and skipping, with NaN/inf in every slot
     past kv_len and in unused pages; and bitwise the outputs of the same K/V in the `vec` layout ("cpu_t") on the
     same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows; on
-    AMX tiles decode rows (3 to 15 heads per KV head here) run on tiles of the group's rows (decode_tiles)."""
+    AMX tiles decode rows (3, 6 and 8 heads per KV head here) run on tiles of the group's rows (decode_tiles)."""
     q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
     kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49)
     case = make_case(q_lens, kv_lens, layout="cpu_amx", **kw)
