@@ -424,19 +424,30 @@ def test_packed_rows_do_not_depend_on_chunking_or_batch(packed_engine):
     assert torch.equal(total, counts[0])
 
 
+def _climb_keys(case, page):
+    """Scores that climb by the key's position: K[pos, every head, dim 0] = pos (exact in bf16 below 256) and
+    Q[..., 0] = sqrt(D), so with the 1/sqrt(D) scale each 64-key tile's max is about 64 above the last one's. Writes
+    the 4-D (`vec`) or the 6-D (`amx`) views in place."""
+    q0 = 0
+    for b, kv in enumerate(case.kv_lens):
+        pos = torch.arange(kv)
+        blk, t = case.block_table[b, pos // page].long(), pos % page
+        val = pos.to(case.k_cache.dtype).unsqueeze(-1)
+        if case.k_cache.dim() == 6:
+            case.k_cache[blk, t // 16, t % 16, :, 0, 0] = val
+        else:
+            logical(case.k_cache)[blk, t, :, 0] = val
+        case.q[q0 : q0 + case.q_lens[b], :, 0] = math.sqrt(case.q.shape[-1])
+        q0 += case.q_lens[b]
+
+
 def test_packed_rows_rescale_when_scores_climb(packed_engine):
     """The packed path raises a row's softmax max only when a tile's max exceeds it by more than 8: scores that climb
     by 64 per 64-key tile (to about 200) make every row rescale its state at almost every tile, and short diagonal
     tiles stay under the margin. Outputs match the float64 oracle at bf16 tolerance with exact counts (no tile is
     skippable here); a row that stopped rescaling would overflow exp(s - max) past its first tiles (e^88)."""
     case = make_case([200, 70], [200, 70], hq=4, hkv=2, d=64, page=16, layout="nhd", dtype=torch.bfloat16, seed=49)
-    q0 = 0
-    for b, kv in enumerate(case.kv_lens):  # score += pos: q[..., 0] = 8 times k[pos, ..., 0] = pos (exact), scale 1/8
-        pos = torch.arange(kv)
-        pages = case.block_table[b, pos // 16].long()
-        logical(case.k_cache)[pages, pos % 16, :, 0] = pos.to(torch.bfloat16).unsqueeze(-1)
-        case.q[q0 : q0 + case.q_lens[b], :, 0] = 8.0
-        q0 += case.q_lens[b]
+    _climb_keys(case, 16)
     dense, _ = run(case, "cpu")
     assert torch.isfinite(dense).all()
     close(dense, dense_attention_f64(case), torch.bfloat16)
@@ -541,23 +552,6 @@ def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     out_cal, cal = run(case, "cpu", trials=trials)
     assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
     assert torch.equal(out_cal, dense)
-
-
-def _climb_keys(case, page):
-    """Scores that climb by the key's position: K[pos, every head, dim 0] = pos (exact in bf16 below 256) and
-    Q[..., 0] = sqrt(D), so with the 1/sqrt(D) scale each 64-key tile's max is about 64 above the last one's. Writes
-    the 4-D (`vec`) or the 6-D (`amx`) views in place."""
-    q0 = 0
-    for b, kv in enumerate(case.kv_lens):
-        pos = torch.arange(kv)
-        blk, t = case.block_table[b, pos // page].long(), pos % page
-        val = pos.to(case.k_cache.dtype).unsqueeze(-1)
-        if case.k_cache.dim() == 6:
-            case.k_cache[blk, t // 16, t % 16, :, 0, 0] = val
-        else:
-            logical(case.k_cache)[blk, t, :, 0] = val
-        case.q[q0 : q0 + case.q_lens[b], :, 0] = math.sqrt(case.q.shape[-1])
-        q0 += case.q_lens[b]
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (5, 1, 32), (15, 1, 128)], ids=["gqa3-d64", "gqa5-d32",
