@@ -145,9 +145,11 @@ bool dot_active() {
 // and C tiles then hold the group's rows only (amx_configure). On vLLM's `amx` layout they run decode_tiles: on the
 // Xeon with AMX (bf16, 1 thread, old / new) 1.00-1.22 against the vector path at SmolLM2's 3 heads per KV head and
 // 0.98-1.38 against the pipelined tile path at 6 and 8; at 1 and 2 heads 0.91-1.23 by shape, so those stay on
-// vectors. VDPBF16PS without tiles keeps 16 (measured slower for decode at 3 heads; not measured at 6-8). The
-// decisions of a row are the same on every path up to float rounding of its scores (docs/skip_softmax.md
-// "Precision"); the threshold depends on the item's pairs only, so a row takes the same path on either cache layout.
+// vectors. VDPBF16PS without tiles keeps 16: on Zen 4 decode on it ran 0.71-0.81x as fast as the vector path at 8
+// heads per KV head (slower at 3 too); at 16 (where decode items reach it) the vector path measured 0.86-1.00x as
+// fast dense and 1.04-1.14x sparse (6 rounds; kept as is). The decisions of a row are the same on every path up to
+// float rounding of its scores (docs/skip_softmax.md "Precision"); the threshold depends on the item's pairs only,
+// so a row takes the same path on either cache layout.
 constexpr int kPackedMinRows = 16;
 constexpr int kTileMinRows = 3;
 
@@ -347,7 +349,8 @@ inline float hsum(vf v) {
 
 // exp(x) for x <= 0 (Cody-Waite range reduction, degree-6 minimax polynomial; about 1 ulp). x below -87.3, -inf
 // included, gives exactly 0: the 2^n factor's exponent field underflows to zero, so no denormals are produced.
-// (The packed bf16 path, whose probabilities are rounded to bf16, uses exp2_coarse instead.)
+// The probabilities of AVX2 builds; with AVX-512 the vector path uses exp2_fine and the packed bf16 path, whose
+// probabilities are rounded to bf16, exp2_coarse.
 inline vf vexp(vf x) {
   const vf lo = splat(-88.0f);
   x = x < lo ? lo : x;
