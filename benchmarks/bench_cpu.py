@@ -230,11 +230,15 @@ class KernelCase:
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
     def baseline(self, op, lam=None):
-        """The baseline kernel (`baseline_kernel`) on the same planned arguments and the cache layout it reads."""
+        """The baseline kernel (`baseline_kernel`) on the same planned arguments and the cache layout it reads,
+        launched as `ours` is (through `launch_cpu`; called directly it skipped that launch's few microseconds, and a
+        build timed against itself read old / new 0.89-0.98 on sub-millisecond decodes)."""
+        from modelopt_ext.torch.kernels.sparsity.attention.cpu_kernel import launch_cpu
+
         k, v = self.baseline_views[self._next()]
         plan = self._planned(lam, None, False)
-        op(self.q, k, v, self.block_table, self.cu, self.seq_lens, self.scale, plan["log_sf"], plan["gamma"],
-           plan["prompt_lens"], plan["calibrate"], self.out_ours)  # fmt: skip
+        launch_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens, softmax_scale=self.scale,
+                   out=self.out_ours, op=op, **plan)  # fmt: skip
         return self.out_ours
 
     def ours_api(self, lam=None):
@@ -746,7 +750,8 @@ def main(argv=None) -> int:
     k.add_argument("--quick", action="store_true", help="2k/4k prefill, 2k/8k decode at batch 1, 1 thread")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--baseline-rev", default=None, help="also time this git revision's compiled kernel (dense, "
-                   "s≈0.5, s≈0.7), interleaved with today's: old/new time ratios per row")
+                   "s≈0.5, s≈0.7), interleaved with today's: old/new time ratios per row; revisions from 9418282 "
+                   "on, whose op takes today's arguments")
     k.add_argument("--baseline-isa", default=None, help="the CPU cache layout the baseline kernel reads (default: "
                    "vLLM's choice, as ours; 'vec' for revisions before 982d7ca on AMX CPUs, which served bf16 on it)")
     k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))

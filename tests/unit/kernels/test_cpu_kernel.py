@@ -169,6 +169,32 @@ def test_empty_and_one_token_sequences():
     assert out.shape[0] == 0 and (counts == 0).all()
 
 
+def test_fp32_probabilities_to_fp32_precision():
+    """Two keys whose scaled scores differ by x, V rows e_0 and e_1: the output row is (1, e^x) / (1 + e^x), so it
+    shows the exp the softmax uses, over the whole fp32 range (x from -100, past where e^x underflows to 0, to 30).
+    Within 2e-7 + 1e-6 relative of float64: the probabilities are good to a few fp32 ulps of the row's largest (an
+    exp good to bf16's 1e-4, as the packed bf16 path's, is 3e-5 off here); those far below it carry the rounding of
+    y = s * scale * log2 e (up to 4e-8 * |y| relative), which moves an output by less than 1e-12."""
+    x = torch.cat([torch.linspace(-100.0, 30.0, 61), torch.randn(19, dtype=torch.float64).float() * 8])
+    n, d, page = x.numel(), 64, 16
+    case = make_case([1] * n, [2] * n, hq=1, hkv=1, d=d, page=page, layout="cpu_t", seed=40)
+    q = torch.zeros_like(case.q)
+    q[:, 0, 0] = math.sqrt(d)  # scaled score of key j = K[j, 0]
+    case.q.copy_(q)
+    k, v = logical(case.k_cache), logical(case.v_cache)
+    for b in range(n):
+        blk = int(case.block_table[b, 0])
+        k[blk, :2] = torch.rand(2, 1, d) - 0.5  # dims 1.. do not meet the query
+        k[blk, 0, 0, 0], k[blk, 1, 0, 0] = 0.0, x[b]
+        v[blk, :2] = 0.0
+        v[blk, 0, 0, 0], v[blk, 1, 0, 1] = 1.0, 1.0
+    out, _ = run(case, "cpu")
+    x64 = x.double()
+    expected = torch.stack([1 / (1 + x64.exp()), x64.exp() / (1 + x64.exp())], dim=1)
+    torch.testing.assert_close(out[:, 0, :2].double(), expected, rtol=1e-6, atol=2e-7)
+    assert out[:, 0, 2:].eq(0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_rows_restart_at_splits_with_the_anchor(dtype):
     """Rows past 2048 keys: decode rows run as parallel key splits merged at the end, a longer chunk (several row

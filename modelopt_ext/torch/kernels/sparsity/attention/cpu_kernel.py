@@ -258,10 +258,12 @@ def paged_skip_softmax_attention_cpu(
 
 def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, counts=None, totals=None, max_seqlen_k=None, workspace=None,
-               decode_only=False, softcap=0.0):  # fmt: skip
+               decode_only=False, softcap=0.0, op=None):  # fmt: skip
     """The launch without conversions (the vLLM plugin's plan holds int32 contiguous tensors and float32 laws):
-    one call of the compiled op. Same arguments as `paged_skip_softmax_attention_cpu`."""
-    op = _state.get("op") or _load()[0]
+    one call of the compiled op. Same arguments as `paged_skip_softmax_attention_cpu`; `op` launches another build of
+    the op with the same schema instead of this one (`bench_cpu.py --baseline-rev`: old and new then pay the same
+    launch cost)."""
+    op = op or _state.get("op") or _load()[0]
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {unavailable_reason()}")
     phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)

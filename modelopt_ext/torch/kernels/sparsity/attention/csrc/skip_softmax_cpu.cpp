@@ -1842,11 +1842,13 @@ class Kernel {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
       // exp(scale * s - mx) = 2^(s * scale * log2 e - mx * log2 e), as on the packed path but to fp32 precision
       const __m512 c1 = _mm512_set1_ps(exp_scale() * kLog2e), c2 = _mm512_set1_ps(mx * kLog2e);
+      __m512 acc = _mm512_setzero_ps();
       for (int j = 0; j < kTileK; j += kLanes) {
         const __m512 e = exp2_fine(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), c1, c2));
         _mm512_storeu_ps(dst + j, e);
-        sum += reinterpret_cast<const vf&>(e);
+        acc = _mm512_add_ps(acc, e);
       }
+      std::memcpy(&sum, &acc, sizeof(sum));
 #else
       const vf mv = splat(mx);
       const vf sv = splat(exp_scale());
