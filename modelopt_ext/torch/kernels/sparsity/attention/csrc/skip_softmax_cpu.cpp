@@ -191,20 +191,37 @@ inline void store_bf16_32(__m512 lo, __m512 hi, uint16_t* dst) {
   const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
   _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(v));
 }
+#endif
 
-// 2^y for the packed path's probabilities, which are rounded to bf16 right after: y = n + f with n = floor(y) and f
-// in [0, 1) from one VREDUCEPS, 2^f by a degree-3 polynomial fitted (relative, Lawson-weighted least squares) on
-// [0, 1] (at most 7.5e-5 relative error in fp32, 26x below bf16's rounding error), 2^n applied by VSCALEFPS (which
-// floors y itself). Seven vector operations where scaling the score, subtracting the max and a base-e exp took
-// about seventeen. y below -125, -inf included, gives exactly 0 (no denormals); NaN stays NaN.
-inline __m512 exp2_coarse(__m512 y) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// 2^y for probabilities: y = n + f with n = floor(y) and f in [0, 1) from one VREDUCEPS, 2^f by the polynomial c
+// (highest degree first) on f, 2^n applied by VSCALEFPS (which floors y itself). y below -125, -inf included, gives
+// exactly 0 (no denormals); NaN stays NaN.
+template <size_t N>
+inline __m512 exp2_poly(__m512 y, const float (&c)[N]) {
   const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // y - floor(y)
-  __m512 p = _mm512_set1_ps(0.07802419364452362f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2260672152042389f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958337426185608f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251961708069f));
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_maskz_scalef_ps(live, p, y);
+}
+
+// The packed path's probabilities, which are rounded to bf16 right after: degree 3, fitted (relative,
+// Lawson-weighted least squares) on [0, 1], at most 7.5e-5 relative error in fp32, 26x below bf16's rounding error.
+// Seven vector operations where scaling the score, subtracting the max and a base-e exp took about seventeen.
+inline __m512 exp2_coarse(__m512 y) {
+  static constexpr float kPoly[] = {0.07802419364452362f, 0.2260672152042389f, 0.6958337426185608f,
+                                    0.9999251961708069f};
+  return exp2_poly(y, kPoly);
+}
+
+// The fp32 vector path's probabilities: degree 5, minimax relative on [0, 1] (6e-8; 1.7e-7 with fp32 Horner
+// rounding, about vexp's 1 ulp). Nine vector operations with the FMA that forms y, where vexp and its argument took
+// about eighteen.
+inline __m512 exp2_fine(__m512 y) {
+  static constexpr float kPoly[] = {0.0018786415457725525f, 0.008985497988760471f, 0.05583132803440094f,
+                                    0.24015097320079803f,   0.6931535005569458f,   0.9999999403953552f};
+  return exp2_poly(y, kPoly);
 }
 #endif
 
@@ -370,24 +387,6 @@ inline vf vexp(vf x) {
   std::memcpy(&pow2, &e, sizeof(pow2));
   return p * pow2;
 }
-
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-// 2^y for the fp32 vector path's probabilities: y = n + f with f in [0, 1) from one VREDUCEPS, 2^f by a degree-5
-// polynomial (minimax relative on [0, 1]: 6e-8, 1.7e-7 with fp32 Horner rounding, about vexp's 1 ulp), 2^n applied by
-// VSCALEFPS. Nine vector operations with the FMA that forms y, where vexp and its argument took about eighteen. y
-// below -125, -inf included, gives exactly 0 (no denormals, as vexp); NaN stays NaN.
-inline __m512 exp2_fine(__m512 y) {
-  const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
-  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // y - floor(y)
-  __m512 p = _mm512_set1_ps(0.0018786415457725525f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.008985497988760471f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05583132803440094f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24015097320079803f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931535005569458f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999999403953552f));
-  return _mm512_maskz_scalef_ps(live, p, y);
-}
-#endif
 
 // S[r][0 .. KB - 1] = sum_d q[r][d] * K[d][0 .. KB - 1] for R rows (KB keys = KB / kLanes vectors); K element
 // (d, j) at k[d * sd + j]. Step d also prefetches pf[kPrefetchPerStep * d ...] (the next tile's K and the previous
