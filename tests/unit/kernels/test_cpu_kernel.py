@@ -178,16 +178,14 @@ def test_fp32_probabilities_to_fp32_precision():
     x = torch.cat([torch.linspace(-100.0, 30.0, 61), torch.randn(19, dtype=torch.float64).float() * 8])
     n, d, page = x.numel(), 64, 16
     case = make_case([1] * n, [2] * n, hq=1, hkv=1, d=d, page=page, layout="cpu_t", seed=40)
-    q = torch.zeros_like(case.q)
-    q[:, 0, 0] = math.sqrt(d)  # scaled score of key j = K[j, 0]
-    case.q.copy_(q)
+    case.q.zero_()
+    case.q[:, 0, 0] = math.sqrt(d)  # scaled score of key j = K[j, 0]
     k, v = logical(case.k_cache), logical(case.v_cache)
-    for b in range(n):
-        blk = int(case.block_table[b, 0])
-        k[blk, :2] = torch.rand(2, 1, d) - 0.5  # dims 1.. do not meet the query
-        k[blk, 0, 0, 0], k[blk, 1, 0, 0] = 0.0, x[b]
-        v[blk, :2] = 0.0
-        v[blk, 0, 0, 0], v[blk, 1, 0, 1] = 1.0, 1.0
+    blk = case.block_table[:, 0].long()  # each sequence's one page
+    k[blk, :2] = torch.rand(n, 2, 1, d) - 0.5  # dims 1.. do not meet the query
+    k[blk, 0, 0, 0], k[blk, 1, 0, 0] = 0.0, x
+    v[blk, :2] = 0.0
+    v[blk, 0, 0, 0], v[blk, 1, 0, 1] = 1.0, 1.0
     out, _ = run(case, "cpu")
     x64 = x.double()
     expected = torch.stack([1 / (1 + x64.exp()), x64.exp() / (1 + x64.exp())], dim=1)
