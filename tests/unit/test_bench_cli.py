@@ -196,3 +196,25 @@ def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_p
     cells = [dict(cell, source="prose", length=1024), dict(single, source="code", length=1024)]
     fidelity.plot(cells, [0.3], ["prose", "code"], "length", tmp_path / "fidelity_length.png")
     assert (tmp_path / "fidelity_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_fma_bound_counts_and_bound():
+    """prefill_fma_bound.py: the multiply-adds of a causal call (also with a cached prefix) match a count of the
+    visible (row, key) pairs of the mask, and the table's best speedup is native / (peak time × (2 − s) / 2)."""
+    import torch
+
+    fma_bound = _load(REPO / "benchmarks" / "prefill_fma_bound.py", "prefill_fma_bound_under_test")
+    bench_cpu = fma_bound.bench_cpu
+    for q_len, kv_len in ((1, 1), (7, 7), (5, 12), (64, 200)):
+        rows = torch.arange(kv_len - q_len, kv_len)[:, None]
+        visible = int((torch.arange(kv_len)[None, :] <= rows).sum())
+        want = 2 * bench_cpu.HQ * bench_cpu.HEAD * visible
+        assert fma_bound.causal_multiply_adds(q_len, kv_len) == want
+    record = dict(kv_len=2048, multiply_adds=10**9, peak_per_s=5e10, realized={"s0.5": 0.5, "s0.7": 0.7},
+                  seconds={"native": 0.05, "dense": 0.04, "s0.5": 0.03, "s0.7": 0.025})  # fmt: skip
+    cells = [c.strip() for c in fma_bound.table_row(record).strip("|").split("|")]
+    assert cells[3] == "20.0"  # ms at the peak
+    assert cells[4] == "50.0 (40%)" and cells[5] == "40.0 (50%)"
+    # bounds: s = 0.5, 20 ms × 0.75 = 15 ms (native / bound 3.33); s = 0.7, 20 ms × 0.65 = 13 ms (3.85)
+    assert cells[6] == "30.0 (s 0.50), 1.67×, 3.33×"
+    assert cells[7] == "25.0 (s 0.70), 2.00×, 3.85×"
