@@ -115,8 +115,8 @@ def table(records: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=sorted(bench_cpu.DTYPES), default="bf16")
-    ap.add_argument("--decode", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
-    ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--decode", type=bench_cpu.ints, default=[2048, 8192])
+    ap.add_argument("--batch", type=bench_cpu.ints, default=[1, 8])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--min-seconds", type=float, default=3.0)
     ap.add_argument("--hot", action="store_true", help="one cache copy: the bytes come from the cache hierarchy")

@@ -131,7 +131,7 @@ def table(records: list[dict]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
+    ap.add_argument("--prefill", type=bench_cpu.ints, default=[2048, 8192])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=3.0)
     ap.add_argument("--out", type=Path, default=Path("artifacts/fma_bound"))
