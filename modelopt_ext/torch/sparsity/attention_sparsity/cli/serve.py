@@ -1,10 +1,10 @@
-#!/usr/bin/env python3
 """Serve a checkpoint with calibrated skip-softmax sparse attention through vLLM's OpenAI-compatible server.
 
+    modelopt-ext-serve <ckpt> [any vllm serve arguments]
     python examples/vllm_serve/vllm_serve_sparse_attn.py <ckpt> [any vllm serve arguments]
 
-The checkpoint's `sparse_attention_config` (written by calibrate_sparse_attn.py) is validated here, before the
-model loads; then this process becomes vLLM's API server (same PID) with the plugin's worker RPCs
+The checkpoint's `sparse_attention_config` (written by `modelopt-ext-calibrate`) is validated here, before the model
+loads; then this process becomes vLLM's API server (same PID) with the plugin's worker RPCs
 (`--worker-extension-cls`, composed with one you pass). The package's vLLM general plugin gives every attention
 layer the sparse backend and impl after the model loads (before the KV cache exists) and logs which layers run
 sparse. A checkpoint without the block serves dense. vLLM chooses the CUDA-graph mode from the sparse metadata
@@ -21,10 +21,11 @@ import os
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from . import engine_setup
+
 logger = logging.getLogger("vllm_serve_sparse_attn")
 
-USAGE = "usage: vllm_serve_sparse_attn.py <checkpoint> [vllm serve arguments]"
+USAGE = "usage: modelopt-ext-serve <checkpoint> [vllm serve arguments]"
 
 
 def check_checkpoint(ckpt: Path) -> None:
@@ -107,14 +108,10 @@ def main(argv=None) -> int:
     ckpt = Path(argv[0]).resolve()
     check_checkpoint(ckpt)
 
-    sys.path.insert(0, str(HERE))
     from vllm.platforms import current_platform
 
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if current_platform.is_cpu():
-        import engine_setup
-
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM otherwise claims most of the RAM
         workers = tensor_parallel_size(argv[1:]) * pipeline_parallel_size(argv[1:])
         try:  # vLLM's "auto" binding needs a NUMA node per worker

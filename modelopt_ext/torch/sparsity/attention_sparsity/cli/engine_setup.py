@@ -1,4 +1,5 @@
-"""What the example scripts check and set before a vLLM engine starts. Standard library only (no vLLM import).
+"""What the calibrate and serve commands check and set before a vLLM engine starts. Standard library only (no
+vLLM import).
 
 - `model_context_length(config)`: the longest sequence the model supports, as vLLM derives it from config.json.
 - `tensor_parallel_problem(config, tp)`: why vLLM would refuse `--tensor_parallel_size tp` for this model, or None.

@@ -1,0 +1,8 @@
+"""The plugin's command-line programs (console scripts in pyproject.toml; the example scripts wrap them).
+
+    calibrate.py       `modelopt-ext-calibrate`: calibrate through a vLLM engine, write `sparse_attention_config`
+    serve.py           `modelopt-ext-serve`: vLLM's OpenAI server with the checkpoint checked and the plugin's RPCs
+    arguments.py       the calibrate command's parser (vLLM's engine arguments plus its own) and its checks
+    engine_control.py  signals, engine shutdown and leftover processes, a private temporary folder, held stderr
+    engine_setup.py    what both commands check and set before an engine starts (context length, TP, CPU binding)
+"""
