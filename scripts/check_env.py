@@ -51,6 +51,33 @@ def _requirement_problems(dist_name: str, extras: set[str]) -> list[str]:
     return problems
 
 
+def _constraint_problems(path: Path) -> list[str]:
+    """Installed distributions named in a pip constraints file whose version it does not allow.
+
+    A name it pins that is not installed is fine (one file serves several envs). Plain requirement lines
+    only (``name<op>version``, optional ``; marker``); pip options and includes are ignored.
+    """
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare venv still has pip's copy
+        try:
+            from pip._vendor.packaging.requirements import Requirement
+        except ImportError:
+            return ["packaging is not installed"]
+    problems = []
+    for raw in path.read_text().splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        have = _installed(req.name)
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{req.name} {have} does not satisfy {req} ({path})")
+    return problems
+
+
 def _editable_problems(dist_name: str, repo: Path) -> list[str]:
     try:
         dist = md.distribution(dist_name)
@@ -90,6 +117,13 @@ def main() -> int:
     ap.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION", help="exact version required")
     ap.add_argument("--absent", action="append", default=[], metavar="NAME", help="distribution that must not exist")
     ap.add_argument("--present", action="append", default=[], metavar="NAME", help="distribution that must exist")
+    ap.add_argument(
+        "--constraints",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="pip constraints file: installed distributions it names must satisfy it",
+    )
     ap.add_argument("--editable", metavar="NAME", help="distribution that must be an editable install of --repo")
     ap.add_argument("--extras", default="", help="comma-separated extras of --editable whose deps must be met")
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent))
@@ -106,6 +140,8 @@ def main() -> int:
             problems.append(f"{name}: want {want}, have {have}")
     problems += [f"{n} must not be installed (have {_installed(n)})" for n in args.absent if _installed(n)]
     problems += [f"{n} is missing" for n in args.present if not _installed(n)]
+    for path in args.constraints:
+        problems += _constraint_problems(Path(path))
     if args.editable:
         problems += _editable_problems(args.editable, Path(args.repo).resolve())
         if not problems:
