@@ -59,9 +59,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 HQ, HKV, HEAD, PAGE = 9, 3, 64, 128  # SmolLM2-135M attention; vLLM's CPU page for it
 TINY_LAMBDA = 1e-20  # skipping on, nothing dropped
 TARGETS = (0.5, 0.7)

@@ -27,16 +27,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher  # noqa: E402
-from modelopt_ext.torch.kernels.sparsity.attention.graph_check import (  # noqa: E402
+from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
+from modelopt_ext.torch.kernels.sparsity.attention.graph_check import (
     cuda_graph_capture,
     decode_graph_self_test,
     replay_by_call,
 )
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import decode_workspace_numel  # noqa: E402
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import decode_workspace_numel
 
 LLAMA_8B = dict(num_heads=32, num_kv_heads=8, head_size=128, page_size=16)
 SMALL = dict(num_heads=4, num_kv_heads=2, head_size=32, page_size=16)

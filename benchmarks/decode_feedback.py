@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 DEFAULT_MODEL = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"
 MODES = {"dense": {"sparse_attn_target": "dense"}, "law": {}, "feedback": {"sparse_attn_decode_feedback": True}}
 

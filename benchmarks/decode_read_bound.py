@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bench_cpu  # noqa: E402
+import bench_cpu  # beside this script
 
 _READER = r"""
 #include <torch/extension.h>

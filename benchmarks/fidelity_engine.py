@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = REPO / "examples" / "vllm_serve"
-CALIBRATE = EXAMPLES / "calibrate_sparse_attn.py"
+CALIBRATE = REPO / "examples" / "vllm_serve" / "calibrate_sparse_attn.py"
 PHASES = ("prefill", "decode")
 
 logger = logging.getLogger("fidelity")
@@ -127,10 +126,9 @@ def trial_law(fits: dict, target: float) -> tuple[float, float, float, float]:
 
 def start_engine(ckpt: Path, max_model_len: int, max_num_seqs: int, dtype: str = "auto", **engine_args):
     """vLLM's default engine (multi-process) with our worker class, as the example scripts start it (`engine_args`:
-    more `LLM` arguments, e.g. a benchmark's `logits_processors`; benchmarks/ is on the engine's PYTHONPATH)."""
-    sys.path.insert(0, str(EXAMPLES))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(EXAMPLES), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    more `LLM` arguments, e.g. a benchmark's `logits_processors`: the engine's processes get benchmarks/ on their
+    PYTHONPATH to import it)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -334,8 +332,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
 
 
 def _shutdown(llm) -> None:
-    """The calibration script's own engine stop (its processes now, not at garbage collection)."""
-    sys.path.insert(0, str(EXAMPLES))
-    from calibrate_sparse_attn import shutdown_engine
+    """The calibration command's own engine stop (its processes now, not at garbage collection)."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.cli.engine_control import shutdown_engine
 
     shutdown_engine(llm)

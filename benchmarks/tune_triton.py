@@ -25,13 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import torch  # noqa: E402
-from bench_kernels import (  # noqa: E402
+import torch
+from bench_kernels import (
     DTYPES,
     Inputs,
     Shape,
@@ -42,7 +37,7 @@ from bench_kernels import (  # noqa: E402
     time_fn,
 )
 
-from modelopt_ext.torch.kernels.sparsity.attention import triton_kernel as tk  # noqa: E402
+from modelopt_ext.torch.kernels.sparsity.attention import triton_kernel as tk
 
 # (rows per program, warps, stages, skip mode, causal mask only on the diagonal tiles): after the default, the
 # launches measured on an H200 on 2026-12-04 (docs/benchmarks.md): the two earlier defaults, the runners-up and the

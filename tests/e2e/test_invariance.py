@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from e2e_lib import EXAMPLES, env
+from e2e_lib import env
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
@@ -102,7 +102,7 @@ def _serve(ckpt, budget: int, block: int, tmp_path) -> dict:
     prompts.write_text(json.dumps(_prompts()))
     res = subprocess.run(
         [sys.executable, str(driver), str(ckpt), str(budget), str(block), str(prompts), json.dumps(TARGETS)],
-        env=env(PYTHONPATH=str(EXAMPLES)), capture_output=True, text=True, timeout=900,
+        env=env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-4000:]

@@ -1,4 +1,5 @@
-"""The plugin's command-line programs (console scripts in pyproject.toml; the example scripts wrap them).
+"""The vLLM commands (console scripts in pyproject.toml; the example scripts wrap them). Importing this package
+imports no vLLM: a mistake in the arguments is one line on stderr, before vLLM prints anything.
 
     calibrate.py       `modelopt-ext-calibrate`: calibrate through a vLLM engine, write `sparse_attention_config`
     serve.py           `modelopt-ext-serve`: vLLM's OpenAI server with the checkpoint checked and the plugin's RPCs

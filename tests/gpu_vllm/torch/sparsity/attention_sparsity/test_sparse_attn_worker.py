@@ -9,14 +9,12 @@ the HTTP server are covered by tests/e2e.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.vllm_cpu
 
-EXAMPLES = Path(__file__).resolve().parents[5] / "examples" / "vllm_serve"
 NUM_LAYERS = 30
 TRIALS = [1.0, 10.0, 100.0, 1000.0]
 LONG_PROMPT = " ".join(f"Record {i} belongs to shelf {i % 5}." for i in range(120))
@@ -27,7 +25,6 @@ def llm(smollm2_checkpoint):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.syspath_prepend(str(EXAMPLES))
     from vllm import LLM
 
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.worker import worker_extension_cls
