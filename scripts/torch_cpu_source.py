@@ -61,13 +61,13 @@ def choose(version: str, index: str, timeout: float) -> tuple[list[str], str]:
     """(pip arguments to add, one-line reason) for installing ``torch==version``."""
     want = _norm(version)
     if want in listed_versions("torch", ["--no-index"], timeout):
-        return [], f"torch=={version}: pip's find-links have it; installing from pip's configured sources"
+        return [], f"torch=={version}: from pip's configured sources (its find-links have it); no extra index"
     if want in listed_versions("torch", [], timeout):
-        return [], f"torch=={version}: pip's configured indexes have it; installing from pip's configured sources"
+        return [], f"torch=={version}: from pip's configured sources (its indexes have it); no extra index"
     if not index:
-        return [], f"torch=={version}: not in pip's configured sources and TORCH_CPU_INDEX is empty; adding nothing"
+        return [], f"torch=={version}: not in pip's configured sources, and TORCH_CPU_INDEX is empty: no extra index"
     return ["--extra-index-url", index], (
-        f"torch=={version}: not in pip's configured sources; adding --extra-index-url {index} (TORCH_CPU_INDEX)"
+        f"torch=={version}: not in pip's configured sources; from --extra-index-url {index} (TORCH_CPU_INDEX)"
     )
 
 
