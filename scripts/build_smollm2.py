@@ -37,7 +37,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the conversion changes in a way that should invalidate existing builds.
 FORMAT_VERSION = 1
 BUILD_INFO = "build_info.json"
-# What the converted model must look like (DESIGN.md: 30 layers, 9 heads, 3 KV heads, head 64).
+# What the converted model must look like (SmolLM2-135M-Instruct: 30 layers, 9 heads, 3 KV heads, head 64).
 EXPECTED_CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 REPO = Path(__file__).resolve().parent.parent

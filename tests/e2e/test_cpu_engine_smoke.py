@@ -40,7 +40,7 @@ def test_greedy_capital_of_france(smollm2_checkpoint, vllm_cpu_env, monkeypatch)
         out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
         text = out[0].outputs[0].text
         assert "Paris" in text, text
-        # The impl the sparse plugin will replace on CPU (DESIGN.md section 4): a vLLM upgrade that changes it
+        # The impl the sparse plugin will replace on CPU (docs/vllm_releases.md §7): a vLLM upgrade that changes it
         # should fail here first, not deep inside a sparse-serving test.
         (impls,) = llm.collective_rpc(attention_impls)
         assert impls == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"], impls

@@ -27,7 +27,7 @@ Also "cpu_amx" (bf16 only, page % 32 == 0): vLLM's CPU `amx` layout, K and V as 
 
 def amx_layout_views(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """6-D K/V views of a [blocks, H, page, 2D] cache in vLLM's CPU `amx` layout, written here from the measured
-    formulas (../shared/reference/cpu_amx_layout.md §3), independently of the plugin's views:
+    formulas (docs/cpu_amx_layout.md §3), independently of the plugin's views:
     K(b,h,t,d) at (t//16)*16*D + (d//2)*32 + (t%16)*2 + d%2 and V(b,h,t,d) at page*D + (d//16)*16*page + (t//2)*32
     + (d%16)*2 + t%2 within block b, head h. Element (b, t, h, d) is K[b, t//16, t%16, h, d//2, d%2] and
     V[b, t//2, t%2, h, d//16, d%16]."""

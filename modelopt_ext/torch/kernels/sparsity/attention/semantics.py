@@ -176,7 +176,7 @@ def cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int]:
 
     A view is `[num_blocks, page, Hkv, D]`, or 6-D `[num_blocks, page // p2, p2, Hkv, D // d2, d2]` with token
     and dim axes split, element (b, t, h, d) at `[b, t // p2, t % p2, h, d // d2, d % d2]`: the only zero-copy views
-    of vLLM's CPU `amx` layout (K: p2 = 16, d2 = 2; V: p2 = 2, d2 = 16; ../shared/reference/cpu_amx_layout.md).
+    of vLLM's CPU `amx` layout (K: p2 = 16, d2 = 2; V: p2 = 2, d2 = 16; docs/cpu_amx_layout.md §3).
     """
     if cache.dim() == 6:
         return cache.shape[0], cache.shape[1] * cache.shape[2], cache.shape[3], cache.shape[4] * cache.shape[5]

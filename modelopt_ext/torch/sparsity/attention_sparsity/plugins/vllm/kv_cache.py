@@ -3,9 +3,9 @@
 vLLM's CPU `amx` layout has no such view; it gets the 6-D split views of `semantics.cache_geometry`, which every
 kernel path and the writer here read as the same logical `[num_blocks, page, Hkv, D]`.
 
-vLLM has changed the cache tensor an attention impl receives several times (see DESIGN.md §4). Every sparse path
-(serving, calibration and the cache write) reads and writes the cache through these views, so one helper per
-backend decides the layout. The views never copy: they are `as_strided`/slice views of the cache's storage.
+vLLM has changed the cache tensor an attention impl receives several times (docs/vllm_releases.md §2, §7). Every
+sparse path (serving, calibration and the cache write) reads and writes the cache through these views, so one helper
+per backend decides the layout. The views never copy: they are `as_strided`/slice views of the cache's storage.
 This module needs only torch, so it is importable (and testable) without vLLM.
 """
 
@@ -31,7 +31,7 @@ CPU_ATTN_LAYOUTS = (
     "[D, page], V as [page, D]; ISA amx (bf16): K as [page/16, D/2, 16, 2], V as [D/16, page/2, 16, 2]",
 )
 CPU_KNOWN_ISAS = ("vec", "vec16", "amx")
-"""CPU-attention ISAs whose cache layout the views read (measured, ../shared/reference/cpu_amx_layout.md): vec and
+"""CPU-attention ISAs whose cache layout the views read (measured, docs/cpu_amx_layout.md): vec and
 vec16 store K transposed and V row-major; amx (bf16 on CPUs with AMX tiles, page % 32 == 0) stores both as AMX
 B tiles (VNNI pairs), read through 6-D views. Every layer keeps the ISA vLLM chose, so vLLM's own cache writer,
 scheduler metadata and dense forward (dense steps, layers kept dense) are untouched."""
@@ -110,8 +110,8 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
 
     The cache is `[B, H, N, 2D]` but CPU_ATTN views it as `[B, H, 2N, D]`: per block and head a K region then a
     V region. `cpu_attn_reshape_and_cache` (ISAs vec/vec16) stores K transposed, element (t, d) at d*N + t, and
-    V as [N, D] rows (measured, DESIGN.md §4). So the K view has last-dim stride N. Decided by backend and ISA,
-    never by shape: the shape equals the packed FlashInfer/FlashAttention one.
+    V as [N, D] rows (measured, docs/vllm_releases.md §7). So the K view has last-dim stride N. Decided by backend and
+    ISA, never by shape: the shape equals the packed FlashInfer/FlashAttention one.
     """
     if isa not in CPU_KNOWN_ISAS:
         raise ValueError(f"CPU attention ISA {isa!r}: no view reads its KV-cache layout (views exist for "
@@ -138,7 +138,7 @@ def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -
 def _cpu_amx_views(kv_cache: torch.Tensor, head_size: int, s_block: int, s_head: int):
     """The 6-D split views (`semantics.cache_geometry`) of the `amx` layout: K [B, N/16, 16, H, D/2, 2] with (b, t, h,
     d) at K(b, h) + (t//16)·16·D + (d//2)·32 + (t%16)·2 + d%2, V [B, N/2, 2, H, D/16, 16] at V(b, h) +
-    (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (../shared/reference/cpu_amx_layout.md §3)."""
+    (d//16)·16·N + (t//2)·32 + (d%16)·2 + t%2 (docs/cpu_amx_layout.md §3)."""
     num_blocks, heads, page, _ = kv_cache.shape
     d = head_size
     if kv_cache.dtype != torch.bfloat16 or page % 32 or d % 16:
