@@ -1,5 +1,9 @@
 """Helpers of the end-to-end tests: run the example scripts as a user does (subprocesses, vLLM's default
-multi-process engine), serve over HTTP, and account for every process by PID."""
+multi-process engine), serve over HTTP, and account for every process by PID.
+
+Timeouts: every subprocess / HTTP wait here stays well below pytest's per-test timeout of the e2e stage
+(`--timeout=1200`, the Makefile's E2E_TIMEOUT), with room for the test's other work: a calibration 900 s, a server's
+start 600 s, one request 120 s, a server's stop 90 s."""
 
 from __future__ import annotations
 
@@ -26,9 +30,11 @@ LONG_PROMPT = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range
 
 
 def env(**extra) -> dict:
-    """The environment of a script run: the caller's, offline, a capped KV cache; never VLLM_ENABLE_V1_..."""
+    """The environment of a script run: the caller's, offline, a capped KV cache; never VLLM_ENABLE_V1_... and no
+    VLLM_SERVER_DEV_MODE unless `extra` sets it."""
     out = dict(os.environ)
     out.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    out.pop("VLLM_SERVER_DEV_MODE", None)
     out.pop("TRITON_INTERPRET", None)  # tests/conftest.py sets it for the kernel tests, not for the engine
     out.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     out.setdefault("OMP_NUM_THREADS", "2")
@@ -68,7 +74,7 @@ def calibrate_with_readme_command(ckpt: Path, work: Path, *extra: str) -> tuple[
     import numpy as np
 
     cmd = readme_calibrate_command(ckpt, *extra)
-    proc = subprocess.run(cmd, env=env(OMP_NUM_THREADS="1"), cwd=work, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, env=env(OMP_NUM_THREADS="1"), cwd=work, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     (work / "calibrate.log").write_text(log)
     assert proc.returncode == 0, log[-4000:]
@@ -85,7 +91,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 300.0):
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -127,18 +133,36 @@ def wait_for_log(proc: subprocess.Popen, log: Path, needle: str, timeout: float)
         time.sleep(0.5)
 
 
+def sparse_metrics(base: str) -> dict[str, float]:
+    """The server's `modelopt_sparse_attn*` samples on its Prometheus /metrics, read-only (no dev mode needed):
+    {'name{labels}': value}, e.g. 'modelopt_sparse_attn_tiles_skipped_total{phase="prefill"}'."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("modelopt_sparse_attn"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 @contextmanager
-def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 900.0, eager: bool = True):
+def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 600.0, eager: bool = True,
+            dev_mode: bool = False):
     """The serve script (vLLM's OpenAI server, sparse impls) on a free port; yields its base URL. Stops it with
     SIGTERM by PID and checks that every process it started has ended. `eager=False` keeps vLLM's compiled default
-    (pipeline parallelism on the CPU engine needs it)."""
+    (pipeline parallelism on the CPU engine needs it). Started as a user starts it: without vLLM's development mode,
+    so /collective_rpc does not exist and realized sparsity is read on /metrics (`sparse_metrics`); the workers write
+    their totals there after every engine step (MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY=1), so /metrics is exact once a
+    reply is back. `dev_mode=True`: VLLM_SERVER_DEV_MODE=1, the documented opt-in for the per-layer / per-request
+    RPCs over HTTP (POST /collective_rpc)."""
     port = free_port()
     cmd = [sys.executable, str(SERVE), str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "2048", *(["--enforce-eager"] if eager else []), "--served-model-name", "smol",
            "--no-enable-prefix-caching", *extra]
     with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, env=env(VLLM_SERVER_DEV_MODE="1", MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY="4"),
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        extra_env = {"MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY": "1", **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
+        server = subprocess.Popen(cmd, env=env(**extra_env), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     procs = []
     try:

@@ -76,7 +76,7 @@ def both_paths(smollm2_checkpoint, tmp_path_factory):
     output = work / "sparse_attention_config.json"
     cmd = [sys.executable, str(CALIBRATE), str(ckpt), "--prompts_file", str(prompts_file), "--decode_tokens",
            str(DECODE_TOKENS), "--dtype", "float32", "--output", str(output)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     merged, _ = load_calibration_records(output.with_name("sparse_attention_config.records.npz"))
     scale_factors = list(merged["scale_factors"])

@@ -50,7 +50,7 @@ def test_signal_shuts_the_engine_down_and_writes_nothing(smollm2_checkpoint, tmp
         proc = subprocess.Popen(cmd, cwd=work, env=env(TMPDIR=str(tmp)), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        wait_for_log(proc, log, moment, timeout=900)
+        wait_for_log(proc, log, moment, timeout=600)  # + 120 s below pytest's 1200 s
         time.sleep(2)
         procs = descendants(proc.pid)
         assert any("EngineCore" in p.name() for p in procs), [p.name() for p in procs]

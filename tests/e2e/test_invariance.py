@@ -102,7 +102,7 @@ def _serve(ckpt, budget: int, block: int, tmp_path) -> dict:
     prompts.write_text(json.dumps(_prompts()))
     res = subprocess.run(
         [sys.executable, str(driver), str(ckpt), str(budget), str(block), str(prompts), json.dumps(TARGETS)],
-        env=env(), capture_output=True, text=True, timeout=900,
+        env=env(), capture_output=True, text=True, timeout=450,  # two per test: their sum below pytest's 1200 s
     )  # fmt: skip
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-4000:]

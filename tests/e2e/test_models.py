@@ -23,6 +23,7 @@ import os
 import queue
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from e2e_lib import env
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
+# The drivers, two at a time, all within this many seconds: below pytest's per-test timeout of the e2e stage
+# (1200 s, which covers the module fixture), with room for the rest.
+DRIVERS_TIMEOUT = 900.0
 VOCAB = 49152  # SmolLM2's tokenizer
 MODELS = {m.name: m for m in tiny_models.models(VOCAB)}
 NATIVE_IMPL, SPARSE_IMPL = "CPUAttentionBackendImpl", "ModelOptSparseCPUAttentionImpl"
@@ -54,20 +58,27 @@ EXPECTED = {
 MATCH_TRANSFORMERS = 1e-2  # max |Δ log p| over the probe's tokens, float32 (measured up to 2.2e-3: gpt-oss, its MoE)
 
 
-def _run(name: str, ckpt: Path, cores: queue.Queue, work: Path) -> dict:
+def _run(name: str, ckpt: Path, cores: queue.Queue, work: Path, deadline: float) -> dict:
     core = cores.get()  # a core no other engine of this test runs on
     try:
-        return _drive(name, ckpt, core, work)
+        return _drive(name, ckpt, core, work, deadline)
     finally:
         cores.put(core)
 
 
-def _drive(name: str, ckpt: Path, core: int, work: Path) -> dict:
+def _drive(name: str, ckpt: Path, core: int, work: Path, deadline: float) -> dict:
     out, log = work / f"{ckpt.name}.json", work / f"{ckpt.name}.log"
+    left = deadline - time.monotonic()  # what the drivers' shared timeout leaves this one
+    if left < 1:
+        return {"error": f"{name}: not run, the drivers' {DRIVERS_TIMEOUT:.0f} s were spent"}
     with log.open("w") as handle:
-        proc = subprocess.run([sys.executable, str(HERE / "model_driver.py"), str(ckpt), str(out)],
-                              env=env(VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1"), stdout=handle,
-                              stderr=subprocess.STDOUT, timeout=900)  # fmt: skip
+        try:
+            proc = subprocess.run([sys.executable, str(HERE / "model_driver.py"), str(ckpt), str(out)],
+                                  env=env(VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1"), stdout=handle,
+                                  stderr=subprocess.STDOUT, timeout=left)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": f"{name}: driver killed at the drivers' {DRIVERS_TIMEOUT:.0f} s timeout:\n"
+                             + log.read_text(errors="replace")[-4000:]}  # fmt: skip
     if proc.returncode != 0 or not out.is_file():
         return {"error": f"{name}: driver exited {proc.returncode}:\n" + log.read_text(errors="replace")[-4000:]}
     return json.loads(out.read_text())
@@ -99,7 +110,8 @@ def results(smollm2_checkpoint, tmp_path_factory) -> dict:
     for core in sorted(os.sched_getaffinity(0))[:2]:
         cores.put(core)
     with ThreadPoolExecutor(max_workers=cores.qsize()) as pool:
-        jobs = {name: pool.submit(_run, name, ckpt, cores, work) for name, ckpt in ckpts.items()}
+        deadline = time.monotonic() + DRIVERS_TIMEOUT
+        jobs = {name: pool.submit(_run, name, ckpt, cores, work, deadline) for name, ckpt in ckpts.items()}
     done = {name: job.result() for name, job in jobs.items()}
     (work / "model_table.md").write_text(model_table(done) + "\n")
     print(f"\nmodel table ({work / 'model_table.md'}):\n{model_table(done)}")

@@ -13,13 +13,20 @@ import gc
 import json
 import subprocess
 import sys
-import time
 import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
-from e2e_lib import CALIBRATE, LONG_PROMPT, SERVE, env, free_port, http_json, readme_calibrate_command
+from e2e_lib import (
+    CALIBRATE,
+    LONG_PROMPT,
+    SERVE,
+    env,
+    free_port,
+    http_json,
+    readme_calibrate_command,
+    sparse_metrics,
+)
 from e2e_lib import serving as serving_ctx
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
@@ -27,6 +34,13 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
 pytestmark = pytest.mark.e2e
 
 NUM_LAYERS = 30  # SmolLM2-135M
+# What a vLLM engine's start or a weight load prints (vLLM 0.32-0.33): none of it may appear where a command must stop
+# before an engine, whatever the machine's speed.
+ENGINE_MARKERS = ("Initializing a V1 LLM engine", "EngineCore", "Loading weights", "Loading safetensors")
+
+
+def no_engine_started(output: str) -> bool:
+    return not any(marker in output for marker in ENGINE_MARKERS)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +49,7 @@ def calibrated(smollm2_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("flow")
     ckpt = linked_checkpoint_copy(smollm2_checkpoint, work / "ckpt")
     cmd = readme_calibrate_command(ckpt)
-    proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, env=env(), cwd=work, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     (work / "calibrate.log").write_text(log)
     assert proc.returncode == 0, log[-4000:]
@@ -77,12 +91,13 @@ def test_calibration_writes_both_phases_and_the_records(calibrated):
 def test_refit_from_records_needs_no_engine_and_reproduces_the_fit(calibrated, tmp_path):
     ckpt, out, _ = calibrated
     records = out.with_name("sparse_attention_config.records.npz")
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(CALIBRATE), str(ckpt), "--refit_from", str(records),
                            "--output", str(tmp_path / "same.json")], env=env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Initializing a V1 LLM engine" not in proc.stderr + proc.stdout and time.monotonic() - start < 120
+    output = proc.stderr + proc.stdout
+    assert f"refitting from {records.resolve()}" in output, output[-3000:]  # the records were the source ...
+    assert no_engine_started(output), output[-3000:]  # ... and no engine started, no weight loaded
     same = json.loads((tmp_path / "same.json").read_text())
     engine_run = json.loads(out.read_text())
     same.pop("producer"), engine_run.pop("producer")
@@ -98,28 +113,31 @@ def test_refit_from_records_needs_no_engine_and_reproduces_the_fit(calibrated, t
 
 
 def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path):
+    """Served as a user serves it, without vLLM's development mode: realized sparsity is read on the Prometheus
+    /metrics endpoint, which needs nothing (the per-layer RPC over HTTP, an opt-in, is test_tensor_parallel.py's)."""
     ckpt, _, _ = calibrated
     log_path = tmp_path / "serve.log"
+    skipped = {phase: f'modelopt_sparse_attn_tiles_skipped_total{{phase="{phase}"}}' for phase in ("prefill", "decode")}
+    visited = {phase: f'modelopt_sparse_attn_tiles_visited_total{{phase="{phase}"}}' for phase in ("prefill", "decode")}
     with serving_ctx(ckpt, log_path) as base:
+        # no development mode: the worker RPC endpoint does not exist
+        with pytest.raises(urllib.error.HTTPError) as err:
+            http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})
+        assert err.value.code == 404, err.value.read()[-2000:]
         reply = http_json(base + "/v1/completions", {"model": "smol", "prompt": "The capital of France is",
                                                      "max_tokens": 12, "temperature": 0})
         assert "Paris" in reply["choices"][0]["text"], reply
         # A longer prompt, so that tiles can be skipped (a tile is 64 keys; the first one never is).
         http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 16,
                                              "temperature": 0})
-        (status,) = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
-        assert status["sparse_layers"] == NUM_LAYERS
-        assert {v["impl"] for v in status["layers"].values()} == {"ModelOptSparseCPUAttentionImpl"}
-        realized = status["realized"]
-        assert realized["prefill"]["visited"] > 0 and realized["decode"]["visited"] > 0
-        assert realized["prefill"]["skipped"] + realized["decode"]["skipped"] > 0, realized
-        # The same counters, read-only on vLLM's Prometheus /metrics (workers write them every LOG_EVERY=4 steps)
-        scrape = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
-        visited = [line for line in scrape.splitlines()
-                   if line.startswith('modelopt_sparse_attn_tiles_visited_total{phase="prefill"}')]
-        assert visited and float(visited[0].split()[-1]) > 0, scrape[-3000:]
-        assert 'modelopt_sparse_attn_realized_sparsity{phase="decode"}' in scrape
-        assert f'modelopt_sparse_attn_layers{{reason="",served="sparse"}} {float(NUM_LAYERS)}' in scrape, scrape[-3000:]
+        # Every layer served sparse, both phases counted, tiles dropped (the workers write after every step).
+        metrics = sparse_metrics(base)
+        assert metrics.get('modelopt_sparse_attn_layers{reason="",served="sparse"}') == NUM_LAYERS, metrics
+        assert metrics[visited["prefill"]] > 0 and metrics[visited["decode"]] > 0, metrics
+        assert metrics[skipped["prefill"]] + metrics[skipped["decode"]] > 0, metrics
+        for phase in ("prefill", "decode"):
+            ratio = metrics[f'modelopt_sparse_attn_realized_sparsity{{phase="{phase}"}}']
+            assert ratio == pytest.approx(metrics[skipped[phase]] / metrics[visited[phase]]), metrics
         # Per-request targets (vllm_xargs): a bad one is an HTTP 400 naming the key, and the server keeps serving;
         # a request that asks for dense drops nothing.
         for xargs, needle in (({"sparse_attn_target": 2}, "sparse_attn_target=2"),
@@ -128,11 +146,16 @@ def test_serve_from_checkpoint_answers_and_reports_sparsity(calibrated, tmp_path
                 http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 4,
                                                      "vllm_xargs": xargs})
             assert err.value.code == 400 and needle in err.value.read().decode(), xargs
-        http_json(base + "/collective_rpc", {"method": "sparse_attn_reset_stats"})
+        before = sparse_metrics(base)
         http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 16,
                                              "temperature": 0, "vllm_xargs": {"sparse_attn_target": "dense"}})
-        (status,) = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
-        assert status["realized"]["prefill"]["skipped"] == status["realized"]["decode"]["skipped"] == 0, status
+        dense = sparse_metrics(base)
+        assert [dense[skipped[p]] for p in skipped] == [before[skipped[p]] for p in skipped], (before, dense)
+        # ... while the same request at the checkpoint's target drops tiles again: the counters above were live
+        http_json(base + "/v1/completions", {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 16,
+                                             "temperature": 0})
+        after = sparse_metrics(base)
+        assert sum(after[skipped[p]] for p in skipped) > sum(dense[skipped[p]] for p in skipped), (dense, after)
     log = log_path.read_text()
     assert f"sparse attention serving on {NUM_LAYERS} layer(s)" in log, log[-4000:]
     assert "realized sparsity prefill" in log
@@ -145,13 +168,12 @@ def test_malformed_config_fails_before_model_loads(smollm2_checkpoint, tmp_path)
         "algorithm": "skip_softmax", "threshold_scale_factor": {"prefill": {"a": float("nan"), "b": 8.0}},
         "target_sparsity": {"prefill": 0.5}}}}
     (ckpt / "config.json").write_text(json.dumps(config))
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, str(SERVE), str(ckpt), "--port", str(free_port())], env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "threshold_scale_factor.prefill.a" in proc.stderr, proc.stderr[-3000:]
-    assert "Initializing a V1 LLM engine" not in proc.stdout + proc.stderr
-    assert time.monotonic() - start < 120
+    # refused before the model loads: no engine process, no weight read
+    assert no_engine_started(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
     # the calibrate script refuses it too, in one line, before its engine
     proc = subprocess.run([sys.executable, str(CALIBRATE), str(ckpt), "--output", str(tmp_path / "x.json")],
                           env=env(), capture_output=True, text=True, timeout=300)
@@ -168,7 +190,7 @@ def test_calibrate_rejects_short_max_model_len(smollm2_checkpoint, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --max_model_len: --max_model_len 256 is shorter than the longest calibration "
                            "prompt"), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Initializing a V1 LLM engine" not in proc.stderr
+    assert "Traceback" not in proc.stderr and no_engine_started(proc.stdout + proc.stderr)
     assert not (tmp_path / "x.json").exists()
 
 

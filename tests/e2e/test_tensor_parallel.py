@@ -42,8 +42,11 @@ def test_tensor_parallel_calibration_merges_both_ranks(tp_calibrated):
 
 
 def test_tensor_parallel_serving_from_the_result(tp_calibrated, tmp_path):
+    """The one end-to-end test of the worker RPCs over HTTP, `POST /collective_rpc` with `sparse_attn_status`: it is
+    about vLLM's development mode (VLLM_SERVER_DEV_MODE=1), the documented opt-in (docs/serving.md) for what /metrics
+    cannot show, here each rank's own counts. Every other server test runs without that mode and reads /metrics."""
     ckpt, _, _ = tp_calibrated
-    with serving(ckpt, tmp_path / "serve.log", "--tensor-parallel-size", str(TP)) as base:
+    with serving(ckpt, tmp_path / "serve.log", "--tensor-parallel-size", str(TP), dev_mode=True) as base:
         reply = http_json(base + "/v1/completions", {"model": "smol", "prompt": "The capital of France is",
                                                      "max_tokens": 8, "temperature": 0})
         assert "Paris" in reply["choices"][0]["text"], reply

@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -170,15 +169,14 @@ def test_plain_vllm_serve_stops_before_weights_with_the_field_last(smollm2_check
     ckpt = _checkpoint(smollm2_checkpoint, tmp_path / "bad", BAD_BLOCK)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("MODELOPT_EXT_SPARSE_ATTN", None)
-    start = time.monotonic()
     proc = subprocess.run(_serve_command(ckpt), env=env, capture_output=True, text=True, timeout=300)
-    elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0, output[-3000:]
     assert FIELD in lines[-1], output[-3000:]
-    assert "Loading weights" not in output and "Initializing a V1 LLM engine" not in output, output[-3000:]
-    assert elapsed < 90, f"start-up took {elapsed:.0f} s before failing"
+    # stopped before any engine: no engine core process, no weight read (whatever the machine's speed)
+    for marker in ("Initializing a V1 LLM engine", "EngineCore", "Loading weights", "Loading safetensors"):
+        assert marker not in output, (marker, output[-3000:])
 
 
 def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeypatch, caplog):
