@@ -6,7 +6,9 @@
 2. export the fit into a copy of the checkpoint's config.json (`sparse_attention_config`);
 3. serve that checkpoint with vLLM's OpenAI server and the sparse attention impls
    (examples/vllm_serve/vllm_serve_sparse_attn.py);
-4. send real completions over HTTP, print the replies and the realized sparsity per phase; stop the server.
+4. send real completions over HTTP, print the replies and the realized sparsity per phase, read on the server's
+   Prometheus endpoint `/metrics` (the `modelopt_sparse_attn*` lines; it needs no development mode, so the server
+   runs without VLLM_SERVER_DEV_MODE); stop the server.
 
 Run it with the interpreter of .venv-cpu (the scripts run with ``--python``, default: this one).
 Only the standard library is used here, so the client side never depends on vLLM.
@@ -67,6 +69,18 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> 
     return json.loads(body) if body else {}
 
 
+def sparse_metrics(base: str) -> dict[str, float]:
+    """The `modelopt_sparse_attn*` samples of the server's Prometheus /metrics: {'name{labels}': value}."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("modelopt_sparse_attn"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 @contextmanager
 def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[str], start_timeout: float):
     """Start the sparse-attention OpenAI server on the CPU engine; yield its base URL; always stop it by its PID."""
@@ -79,8 +93,12 @@ def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM would otherwise claim most of the RAM
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_SERVER_DEV_MODE", "1")  # POST /collective_rpc: the sparse_attn_status RPC
-    env.setdefault("MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY", "8")
+    # As a user serves it: no development mode (it would let any HTTP caller run any worker method); /metrics
+    # needs none.
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    # The workers write their totals for /metrics every N engine steps (with the log line); 1: exact once a reply
+    # is back.
+    env.setdefault("MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY", "1")
     log.info("starting: %s (log: %s)", " ".join(cmd), log_path)
     with log_path.open("wb") as out:
         # Own session: if SIGTERM to the server is not enough, its engine children can be reached by group id.
@@ -168,14 +186,18 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.monotonic()
             reply = http_json(f"{base}/v1/completions", payload)
             replies.append((prompt, reply["choices"][0]["text"], time.monotonic() - t1))
-        (status,) = http_json(f"{base}/collective_rpc", {"method": "sparse_attn_status"})["results"]
+        metrics = sparse_metrics(base)
     for prompt, text, latency in replies:
         shown = prompt if len(prompt) < 60 else f"{prompt[:40]}... ({len(prompt)} chars)"
         print(f"prompt : {shown!r}\nreply  : {text!r}  ({latency:.2f} s)")
-    print(f"sparse layers: {status['sparse_layers']}/{len(status['layers'])}")
-    for phase, r in status["realized"].items():
-        sparsity = "-" if r["sparsity"] is None else f"{r['sparsity']:.3f}"
-        print(f"  {phase:7s}: realized sparsity {sparsity} ({r['skipped']}/{r['visited']} tiles skipped)")
+    layers = {k: v for k, v in metrics.items() if k.startswith("modelopt_sparse_attn_layers{")}
+    sparse = sum(v for k, v in layers.items() if 'served="sparse"' in k)
+    print(f"sparse layers: {sparse:.0f}/{sum(layers.values()):.0f} (from {base}/metrics)")
+    for phase in ("prefill", "decode"):
+        visited = metrics.get(f'modelopt_sparse_attn_tiles_visited_total{{phase="{phase}"}}', 0.0)
+        skipped = metrics.get(f'modelopt_sparse_attn_tiles_skipped_total{{phase="{phase}"}}', 0.0)
+        sparsity = f"{skipped / visited:.3f}" if visited else "-"
+        print(f"  {phase:7s}: realized sparsity {sparsity} ({skipped:.0f}/{visited:.0f} tiles skipped)")
     print(f"total demo {time.monotonic() - t0:.0f} s; server log: {workdir / 'server.log'}")
     return 0
 
