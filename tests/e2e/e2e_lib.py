@@ -44,7 +44,8 @@ def env(**extra) -> dict:
 
 def readme_calibrate_command(ckpt: Path, *extra: str) -> list[str]:
     """The calibrate command of README.md's usage section, as written, with its checkpoint placeholder replaced,
-    followed by the arguments the README gives for vLLM's CPU engine (`**CPU engine** ... add `...``). `extra`: flag /
+    followed by the arguments the README gives for vLLM's CPU engine (`CPU engine ... add `--calib_samples ...``, its
+    section "On vLLM's CPU engine"). `extra`: flag /
     value pairs, replacing the README's value of a flag it sets, else appended."""
     text = README.read_text()
     start = text.index("python examples/vllm_serve/calibrate_sparse_attn.py")
@@ -54,7 +55,7 @@ def readme_calibrate_command(ckpt: Path, *extra: str) -> list[str]:
         if not line.rstrip().endswith("\\"):
             break
     argv = shlex.split(" ".join(line.rstrip("\\") for line in lines))
-    cpu = re.search(r"\*\*CPU engine\*\*.*?add `(--calib_samples[^`]*)`", text, re.DOTALL)
+    cpu = re.search(r"CPU engine.*?add `(--calib_samples[^`]*)`", text, re.DOTALL)
     assert cpu, "README.md no longer says which arguments make calibration short on the CPU engine"
     argv += shlex.split(cpu.group(1))
     assert argv[:2] == ["python", "examples/vllm_serve/calibrate_sparse_attn.py"] and README_CKPT in argv, argv
