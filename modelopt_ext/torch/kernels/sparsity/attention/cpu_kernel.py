@@ -1,10 +1,11 @@
 """Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 2).
 
-The kernel is C++ (`csrc/skip_softmax_cpu.cpp`), built with `torch.utils.cpp_extension.load` (g++ and ninja) the
-first time it is needed and cached: a second process, or a second run of `make`, loads the cached library in well
-under a second. The build directory is keyed on everything the binary depends on (source, torch version and ABI,
+The kernel is C++: one compiled file, `csrc/skip_softmax_cpu.cpp`, and the headers beside it (`csrc/*.h`, one per
+instruction-set path), built with `torch.utils.cpp_extension.load` (g++ and ninja) the first time it is needed and
+cached: a second process, or a second run of `make`, loads the cached library in well under a second. The build
+directory is keyed on everything the binary depends on (the source and every header, torch version and ABI,
 compiler flags, the CPU's instruction set), so two environments or machines sharing a cache never load each
-other's builds. It is built with `-march=native` for the machine it runs on.
+other's builds, and an edit to any header builds anew. It is built with `-march=native` for the machine it runs on.
 
 Where it cannot build (no compiler, no ninja, a failing compile) `unavailable_reason()` says why and `auto` uses
 the PyTorch reference; `MODELOPT_EXT_CPU_KERNEL=0` switches it off. The cache lives in `$MODELOPT_EXT_CACHE_DIR`,
@@ -61,10 +62,17 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def headers() -> list[Path]:
+    """The headers `SOURCE` includes (every `csrc/*.h`; shipped with the package, see pyproject.toml)."""
+    return sorted(SOURCE.parent.glob("*.h"))
+
+
 def build_key() -> str:
     """Hash of everything the compiled library depends on."""
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
+    for header in headers():  # name and text: an edit to any header, or a header added or removed, builds anew
+        h.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     parts = (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version.split()[0], platform.machine(),
              " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_signature())
     for part in parts:
@@ -110,7 +118,8 @@ def _build_lock(build_dir: Path):
 
 def compile_extension(name: str, source: Path, build_dir: Path) -> None:
     """Build (or load the cached build of) the C++ file `source` as torch extension `name` in `build_dir`, with the
-    kernel's flags. Safe against concurrent builds and against builds that were killed midway."""
+    kernel's flags; the headers it includes are found beside it (ninja rebuilds when one changes). Safe against
+    concurrent builds and against builds that were killed midway."""
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
