@@ -13,6 +13,7 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     metrics.py      realized sparsity on vLLM's Prometheus /metrics (worker files, a collector in the server)
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
     impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
+    kernel_pages.py which page sizes the skip-softmax kernels cover (asked by the builders, checks and graph self-test)
     backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)
     cudagraphs.py   what the builders declare for CUDA graphs (full decode graphs after a start-up self-test)
     checks.py       every reason a layer cannot run sparse: predicted from the engine config, or per layer
@@ -49,10 +50,10 @@ from .backends import (
     ModelOptSparseFlashInferMetadataBuilder,
 )
 from .compat import forward_writes_kv_cache, vllm_facts
+from .impls import _BACKEND_BY_NATIVE as _BACKEND_BY_NATIVE
+from .impls import _SPARSE_BY_NATIVE as _SPARSE_BY_NATIVE
+from .impls import _SPARSE_CLASSES as _SPARSE_CLASSES
 from .impls import (
-    _BACKEND_BY_NATIVE,
-    _SPARSE_BY_NATIVE,
-    _SPARSE_CLASSES,
     CPUAttentionBackendImpl,
     FlashAttentionImpl,
     FlashInferImpl,
@@ -60,8 +61,11 @@ from .impls import (
     ModelOptSparseCPUAttentionImpl,
     ModelOptSparseFlashInferImpl,
 )
-from .install import SparseAttentionInstallReport, _layers, install_sparse_attention, uninstall_sparse_attention
-from .kv_cache import _cpu_attn_kv_cache_views, _flash_attn_kv_cache_views, _flashinfer_kv_cache_views
+from .install import SparseAttentionInstallReport, install_sparse_attention, uninstall_sparse_attention
+from .install import _layers as _layers
+from .kv_cache import _cpu_attn_kv_cache_views as _cpu_attn_kv_cache_views
+from .kv_cache import _flash_attn_kv_cache_views as _flash_attn_kv_cache_views
+from .kv_cache import _flashinfer_kv_cache_views as _flashinfer_kv_cache_views
 from .plan import PLAN_ATTR, SparsePlan
 from .stats import (
     collect_calibration_records,
@@ -71,6 +75,10 @@ from .stats import (
     reset_sparsity_stats,
 )
 
+# Private names kept importable from this package (not part of `__all__`): the K/V cache views are a contract that
+# outside checks import by these names from here (`_flashinfer_kv_cache_views` above all), and the tests read the
+# impl/backend maps and the layer walk from here. The `from .m import _x as _x` form above marks each one as a
+# deliberate re-export.
 __all__ = [
     "CPUAttentionBackendImpl",
     "FlashAttentionImpl",
@@ -88,13 +96,6 @@ __all__ = [
     "SPARSE_BACKENDS",
     "SparseAttentionInstallReport",
     "SparsePlan",
-    "_BACKEND_BY_NATIVE",
-    "_SPARSE_BY_NATIVE",
-    "_SPARSE_CLASSES",
-    "_cpu_attn_kv_cache_views",
-    "_flash_attn_kv_cache_views",
-    "_flashinfer_kv_cache_views",
-    "_layers",
     "collect_calibration_records",
     "forward_writes_kv_cache",
     "get_request_stats",

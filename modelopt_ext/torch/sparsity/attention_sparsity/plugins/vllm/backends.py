@@ -23,9 +23,10 @@ from the engine context of their layers, never from a process-wide registry. The
   and the CUDA-graph mode vLLM chose are logged once per engine.
 - no cascade attention (the sparse kernel reads each sequence's whole paged cache), no in-place block-table update
   of built metadata (the plan is built in `build`), no draft-decode metadata refresh without `build`.
-- page sizes: where CUDA runs the Triton kernel, only the kernel block sizes it covers (powers of two >= 16), so
-  vLLM's block-size selection plans a covered page size; a builder whose page size is not covered refuses at
-  start-up. The CPU builder sets its group's ISA to one whose cache layout the kernels read (`amx` -> `vec`).
+- page sizes (plugins/vllm/kernel_pages.py): where CUDA runs the Triton kernel, only the kernel block sizes it
+  covers (powers of two >= 16), so vLLM's block-size selection plans a covered page size; a builder whose page size
+  is not covered refuses at start-up. The CPU builder sets its group's ISA to one whose cache layout the kernels
+  read (`amx` -> `vec`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import logging
 
 import torch
 
-from .compat import native_kernel_block_sizes, vllm_facts
+from .compat import vllm_facts
 from .cudagraphs import decide as decide_cudagraphs
 from .cudagraphs import graph_path
 from .impls import (
@@ -46,6 +47,7 @@ from .impls import (
     ModelOptSparseFlashInferImpl,
     layer_state,
 )
+from .kernel_pages import TRITON_PAGE_SIZES, covered_kernel_block_sizes, kernel_page_problem
 from .kv_cache import cpu_isa_problem
 from .plan import PLAN_ATTR, SparsePlanner
 
@@ -53,35 +55,6 @@ logger = logging.getLogger(__name__)
 
 BUILDER_MARK = "_modelopt_sparse_builder"
 """Set on a vLLM attention layer once a sparse metadata builder covers it (so a later install may make it sparse)."""
-
-TRITON_PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
-"""Kernel block sizes the Triton skip-softmax kernel covers (powers of two >= its MIN_PAGE_SIZE)."""
-
-
-def kernel_page_problem(kernel_backend: str, page_size: int, head_size: int, dtype) -> str | None:
-    """Why the chosen kernel backend cannot run this page size / head size / dtype (None when it can)."""
-    if kernel_backend != "triton":
-        return None
-    from modelopt_ext.torch.kernels.sparsity.attention.triton_kernel import unsupported_reason
-
-    q = torch.empty(0, 1, head_size, dtype=dtype, device="meta")
-    k = torch.empty(0, page_size, 1, head_size, dtype=dtype, device="meta")
-    return unsupported_reason(q, k)
-
-
-def _covered_kernel_block_sizes(native_backend, kv_cache_spec=None) -> list:
-    """The native backend's kernel block sizes restricted to what the Triton kernel covers (where CUDA runs it)."""
-    native = native_kernel_block_sizes(native_backend, kv_cache_spec)
-    if not torch.cuda.is_available():
-        return native
-    covered = []
-    for size in native:
-        if isinstance(size, int):
-            covered += [size] if size in TRITON_PAGE_SIZES else []
-        else:  # vLLM's MultipleOf(n)
-            base = int(getattr(size, "base", 1))
-            covered += [p for p in TRITON_PAGE_SIZES if p % base == 0]
-    return sorted(set(covered)) or native  # nothing covered: the builder refuses at start-up with the reason
 
 
 def _context_of(layers):
@@ -297,7 +270,7 @@ def _backend_pair(kind: str, impl_cls, name: str):
         return builder
 
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
-        return _covered_kernel_block_sizes(native.backend, kv_cache_spec)
+        return covered_kernel_block_sizes(native.backend, kv_cache_spec)
 
     backend = type(f"ModelOptSparse{name}Backend", (native.backend,), {
         "__module__": __name__,

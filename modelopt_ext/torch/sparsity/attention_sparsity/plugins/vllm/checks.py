@@ -18,10 +18,11 @@ import math
 import torch
 
 from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
-from .backends import kernel_page_problem, native_backend_of
+from .backends import native_backend_of
 from .compat import cache_layout_problem, cpu_attn_isa, vllm_facts
 from .env import ENV_ENABLE, ENV_STRICT, kernel_backend_choice, sparse_attention_enabled, strict_mode
 from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
+from .kernel_pages import kernel_page_problem
 from .kv_cache import cpu_isa_problem
 
 logger = logging.getLogger(__name__)

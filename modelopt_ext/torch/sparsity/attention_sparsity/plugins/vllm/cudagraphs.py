@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .env import ENV_CUDAGRAPH, cudagraph_choice
+from .kernel_pages import TRITON_PAGE_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,6 @@ def decide(vllm_config, kv_cache_spec, context) -> GraphDecision:
 
 def self_test_shapes(vllm_config, kv_cache_spec) -> dict:
     """The engine's decode shapes for the self-test: heads, head size, page size, max_model_len, dtype."""
-    from .backends import TRITON_PAGE_SIZES
-
     model = vllm_config.model_config
     page = int(kv_cache_spec.block_size)
     return {
