@@ -269,6 +269,139 @@ def level_crossings(
     return np.array(out_s, dtype=np.float64), np.array(out_y, dtype=np.float64), np.array(out_n, dtype=np.float64)
 
 
+def _point_arrays(points: Iterable[FitPoint | tuple[float, float]]) -> tuple[np.ndarray, ...]:
+    """(sparsity, scale factor, kv_len, sample) arrays of the points; a plain pair has length 0 and sample -1."""
+    pts = [
+        (p.sparsity, p.scale_factor, p.kv_len, p.sample) if isinstance(p, FitPoint)
+        else (float(p[0]), float(p[1]), 0, -1)
+        for p in points
+    ]  # fmt: skip
+    return (
+        np.array([p[0] for p in pts], dtype=np.float64),
+        np.array([p[1] for p in pts], dtype=np.float64),
+        np.array([p[2] for p in pts], dtype=np.float64),
+        np.array([p[3] for p in pts], dtype=np.int64),
+    )
+
+
+@dataclass
+class _Informative:
+    """The informative points of a phase (the module docstring's rule), the whole curves for the level crossings,
+    and what to tell the user when they do not suffice (`hint`, `fixes`)."""
+
+    s: np.ndarray
+    sf: np.ndarray
+    lengths: np.ndarray
+    curves: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    hint: str
+    fixes: list[str]
+
+
+def _informative_points(arrays, n_total: int, min_sparsity: float, max_sparsity: float) -> _Informative:
+    """Drop the saturated and invalid points; say how many fell at each end and which trial change would help."""
+    s, sf, lengths, samples = arrays
+    valid = np.isfinite(s) & np.isfinite(sf) & (sf > 0)
+    low = int(np.sum(valid & (s <= min_sparsity)))
+    high = int(np.sum(valid & (s >= max_sparsity)))
+    keep = valid & (s > min_sparsity) & (s < max_sparsity)
+    curves = s[valid], np.log(sf[valid]), lengths[valid], samples[valid]  # whole curves, saturated ends included
+    hint = (
+        f"{int(np.sum(keep))} of {n_total} points are informative (sparsity in ({min_sparsity}, {max_sparsity})); "
+        f"{low} at or below {min_sparsity}, {high} at or above {max_sparsity}"
+    )
+    fixes = []
+    if low >= high:
+        fixes.append("raise the largest threshold trial (scale factor) or use longer prompts (more tiles per row)")
+    if high > low:
+        fixes.append("lower the smallest threshold trial (scale factor)")
+    fixes.append("use more / longer calibration prompts or more trials inside the range")
+    return _Informative(s[keep], sf[keep], lengths[keep], curves, hint, fixes)
+
+
+def _require_enough_points(info: _Informative, n_total: int, min_points: int, label: str) -> None:
+    """Refuse a phase without measurements, or with too few informative points or distinct trials to fit."""
+    n = int(info.s.size)
+    if n == 0 and n_total == 0:
+        raise CalibrationFitError(
+            f"{label}: no measurements at all; run calibration prompts for this phase "
+            "(decode needs generated tokens, prefill needs prompts longer than one tile of 64 tokens)"
+        )
+    if n < min_points or np.unique(info.sf).size < MIN_DISTINCT_TRIALS or np.ptp(info.s) <= 0:
+        raise CalibrationFitError(
+            f"{label}: too few informative points to fit (need >= {min_points} points over >= "
+            f"{MIN_DISTINCT_TRIALS} distinct trials): {info.hint}. Fix: {'; '.join(info.fixes)}"
+        )
+
+
+def _regression_data(info: _Informative, length_law: bool, min_points: int):
+    """(sparsity, log scale factor, length, on_levels): the level crossings when every point knows its sample and
+    enough of them cross, else the informative points themselves.
+
+    Our estimator regresses level crossings (exact sparsity, scattered log sf); ModelOpt's regresses the points.
+    """
+    if length_law and bool(np.all(info.curves[3] >= 0)):
+        crossings = level_crossings(*info.curves)
+        if crossings[0].size >= min_points and np.unique(crossings[0]).size >= MIN_DISTINCT_TRIALS:
+            return (*crossings, True)
+    return info.s, np.log(info.sf), info.lengths, False
+
+
+@dataclass
+class _LogLaw:
+    """The regression's coefficients and its prediction of each log scale factor (for R²)."""
+
+    intercept: float
+    slope: float
+    gamma: float
+    gamma_slope: float
+    reference_length: float | None
+    pred: np.ndarray
+
+
+def _regress_log_law(x_s, y, x_len, *, with_lengths: bool, on_levels: bool) -> _LogLaw:
+    """Least squares of `y = log(sf)` on sparsity, plus the length term (and, on level crossings, its sparsity
+    interaction) when the points span lengths; the exponent is clipped to the schema's range."""
+    if not with_lengths:
+        from scipy import stats
+
+        res = stats.linregress(x_s, y)
+        intercept, slope = float(res.intercept), float(res.slope)
+        return _LogLaw(intercept, slope, 1.0, 0.0, None, intercept + slope * x_s)
+    n_ref = float(np.exp(np.mean(np.log(x_len))))
+    log_len = np.log(x_len / n_ref)
+    columns = [np.ones_like(x_s), x_s, log_len]
+    # A sparsity-dependent exponent only on level crossings (which already span >= MIN_DISTINCT_TRIALS levels),
+    # whose sparsity is exact: with the measured sparsity as regressor its scatter would leak into the
+    # interaction term.
+    if on_levels:
+        columns.append((x_s - LENGTH_EXPONENT_PIVOT) * log_len)
+    coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), y, rcond=None)
+    intercept, slope, delta = (float(v) for v in coef[:3])
+    gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
+    gamma_slope = -float(coef[3]) if on_levels else 0.0
+    gamma_at = np.clip(gamma + gamma_slope * (x_s - LENGTH_EXPONENT_PIVOT), MIN_LENGTH_EXPONENT,
+                       MAX_LENGTH_EXPONENT)  # fmt: skip
+    return _LogLaw(intercept, slope, gamma, gamma_slope, n_ref, intercept + slope * x_s + (1.0 - gamma_at) * log_len)
+
+
+def _checked_law(law: _LogLaw, y: np.ndarray, info: _Informative, label: str) -> tuple[float, float, float]:
+    """(a, b, R² in log space), refusing a law that is not finite or whose sparsity does not grow with λ."""
+    a, b = float(math.exp(law.intercept)) if math.isfinite(law.intercept) else math.nan, law.slope
+    ss_res = float(np.sum((y - law.pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0):
+        raise CalibrationFitError(
+            f"{label}: the fit is not finite (a={a}, b={b}); {info.hint}. Fix: {'; '.join(info.fixes)}"
+        )
+    if b <= 0:
+        raise CalibrationFitError(
+            f"{label}: fitted b={b:.4g} <= 0, i.e. sparsity does not grow with the threshold: the measurements "
+            f"are noise ({info.hint}). Fix: use a wider trials range and more / longer prompts"
+        )
+    return a, b, r2
+
+
 def fit_phase(
     points: Iterable[FitPoint | tuple[float, float]],
     *,
@@ -285,90 +418,16 @@ def fit_phase(
     change when there are too few informative points, too few distinct trials among them, or the fit has b <= 0
     or is not finite.
     """
-    from scipy import stats
-
     label = f"{phase} calibration" if phase else "calibration"
-    pts = [
-        (p.sparsity, p.scale_factor, p.kv_len, p.sample) if isinstance(p, FitPoint)
-        else (float(p[0]), float(p[1]), 0, -1)
-        for p in points
-    ]  # fmt: skip
-    n_total = len(pts)
-    s = np.array([p[0] for p in pts], dtype=np.float64)
-    sf = np.array([p[1] for p in pts], dtype=np.float64)
-    lengths = np.array([p[2] for p in pts], dtype=np.float64)
-    samples = np.array([p[3] for p in pts], dtype=np.int64)
-    valid = np.isfinite(s) & np.isfinite(sf) & (sf > 0)
-    low = int(np.sum(valid & (s <= min_sparsity)))
-    high = int(np.sum(valid & (s >= max_sparsity)))
-    keep = valid & (s > min_sparsity) & (s < max_sparsity)
-    curves = s[valid], np.log(sf[valid]), lengths[valid], samples[valid]  # whole curves, saturated ends included
-    s, sf, lengths, samples = s[keep], sf[keep], lengths[keep], samples[keep]
-    n = int(s.size)
-    hint = (
-        f"{n} of {n_total} points are informative (sparsity in ({min_sparsity}, {max_sparsity})); "
-        f"{low} at or below {min_sparsity}, {high} at or above {max_sparsity}"
-    )
-    fixes = []
-    if low >= high:
-        fixes.append("raise the largest threshold trial (scale factor) or use longer prompts (more tiles per row)")
-    if high > low:
-        fixes.append("lower the smallest threshold trial (scale factor)")
-    fixes.append("use more / longer calibration prompts or more trials inside the range")
-    if n == 0 and n_total == 0:
-        raise CalibrationFitError(
-            f"{label}: no measurements at all; run calibration prompts for this phase "
-            "(decode needs generated tokens, prefill needs prompts longer than one tile of 64 tokens)"
-        )
-    if n < min_points or np.unique(sf).size < MIN_DISTINCT_TRIALS or np.ptp(s) <= 0:
-        raise CalibrationFitError(
-            f"{label}: too few informative points to fit (need >= {min_points} points over >= "
-            f"{MIN_DISTINCT_TRIALS} distinct trials): {hint}. Fix: {'; '.join(fixes)}"
-        )
-    log_sf = np.log(sf)
-    gamma, n_ref = 1.0, None
+    arrays = _point_arrays(points)
+    n_total = int(arrays[0].size)
+    info = _informative_points(arrays, n_total, min_sparsity, max_sparsity)
+    _require_enough_points(info, n_total, min_points, label)
+    n, lengths = int(info.s.size), info.lengths
     with_lengths = length_law and bool(np.all(lengths > 0)) and lengths.max() >= MIN_LENGTH_SPAN * lengths.min()
-    # Our estimator regresses level crossings (exact sparsity, scattered log sf); ModelOpt's regresses the points.
-    x_s, y, x_len = s, log_sf, lengths
-    on_levels = False
-    if length_law and bool(np.all(curves[3] >= 0)):
-        crossings = level_crossings(*curves)
-        if crossings[0].size >= min_points and np.unique(crossings[0]).size >= MIN_DISTINCT_TRIALS:
-            x_s, y, x_len = crossings
-            on_levels = True
-    gamma_slope = 0.0
-    if with_lengths:
-        n_ref = float(np.exp(np.mean(np.log(x_len))))
-        log_len = np.log(x_len / n_ref)
-        columns = [np.ones_like(x_s), x_s, log_len]
-        # A sparsity-dependent exponent only on level crossings (which already span >= MIN_DISTINCT_TRIALS levels),
-        # whose sparsity is exact: with the measured sparsity as regressor its scatter would leak into the
-        # interaction term.
-        if on_levels:
-            columns.append((x_s - LENGTH_EXPONENT_PIVOT) * log_len)
-        coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), y, rcond=None)
-        intercept, slope, delta = (float(v) for v in coef[:3])
-        gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
-        gamma_slope = -float(coef[3]) if on_levels else 0.0
-        gamma_at = np.clip(gamma + gamma_slope * (x_s - LENGTH_EXPONENT_PIVOT), MIN_LENGTH_EXPONENT,
-                           MAX_LENGTH_EXPONENT)  # fmt: skip
-        pred = intercept + slope * x_s + (1.0 - gamma_at) * log_len
-    else:
-        res = stats.linregress(x_s, y)
-        intercept, slope = float(res.intercept), float(res.slope)
-        pred = intercept + slope * x_s
-    log_sf = y
-    a, b = float(math.exp(intercept)) if math.isfinite(intercept) else math.nan, slope
-    ss_res = float(np.sum((log_sf - pred) ** 2))
-    ss_tot = float(np.sum((log_sf - log_sf.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
-    if not (math.isfinite(a) and math.isfinite(b) and a > 0):
-        raise CalibrationFitError(f"{label}: the fit is not finite (a={a}, b={b}); {hint}. Fix: {'; '.join(fixes)}")
-    if b <= 0:
-        raise CalibrationFitError(
-            f"{label}: fitted b={b:.4g} <= 0, i.e. sparsity does not grow with the threshold: the measurements "
-            f"are noise ({hint}). Fix: use a wider trials range and more / longer prompts"
-        )
+    x_s, y, x_len, on_levels = _regression_data(info, length_law, min_points)
+    law = _regress_log_law(x_s, y, x_len, with_lengths=with_lengths, on_levels=on_levels)
+    a, b, r2 = _checked_law(law, y, info, label)
     notes = []
     if r2 < 0.8:
         notes.append(f"low fit quality R²={r2:.3f} (log space)")
@@ -378,20 +437,20 @@ def fit_phase(
         b=b,
         r2=float(r2),
         n_points=n,
-        sparsity_range=(float(s.min()), float(s.max())),
+        sparsity_range=(float(info.s.min()), float(info.s.max())),
         n_total=n_total,
         phase=phase,
         notes=tuple(notes),
-        length_exponent=gamma,
-        reference_length=n_ref,
+        length_exponent=law.gamma,
+        reference_length=law.reference_length,
         length_range=(int(lengths.min()), int(lengths.max())) if lengths.size and lengths.min() > 0 else None,
-        length_exponent_slope=gamma_slope,
+        length_exponent_slope=law.gamma_slope,
     )
     logger.info(
         "%s: a=%.6g b=%.4f γ=%.3f%+.3f·(s−%g) (n_ref %s) R²=%.4f over %d/%d points (%s), observed sparsity "
-        "[%.3f, %.3f]", label, fit.a, fit.b, gamma, gamma_slope, LENGTH_EXPONENT_PIVOT,
-        "-" if n_ref is None else f"{n_ref:.0f}", fit.r2, n, n_total,
-        "regression on the points" if x_s is s else f"{x_s.size} level crossings", *fit.sparsity_range,
+        "[%.3f, %.3f]", label, fit.a, fit.b, law.gamma, law.gamma_slope, LENGTH_EXPONENT_PIVOT,
+        "-" if law.reference_length is None else f"{law.reference_length:.0f}", fit.r2, n, n_total,
+        "regression on the points" if not on_levels else f"{x_s.size} level crossings", *fit.sparsity_range,
     )  # fmt: skip
     return fit
 

@@ -126,6 +126,61 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return obj.get(key, default) if isinstance(obj, Mapping) else getattr(obj, key, default)
 
 
+_PHASE_SECTIONS = (
+    "threshold_scale_factor", "target_sparsity", "observed_sparsity_range", "fit", "length_exponent",
+    "length_exponent_slope", "reference_length",
+)  # fmt: skip
+"""The group's per-phase sections, in the order the block writes them (the first two always, the rest when set)."""
+
+
+def _length_law_entries(fit: Any) -> dict[str, Any]:
+    """A phase's length-law entries (γ at the pivot target, its slope, n_ref), written only when γ is not ModelOpt's 1.
+
+    A PhaseCalibration carries the γ served at its own target and the pivot's as `pivot_length_exponent`; a fit
+    carries the pivot's as `length_exponent`.
+    """
+    gamma = _get(fit, "pivot_length_exponent")
+    gamma = _get(fit, "length_exponent") if gamma is None else gamma
+    slope, n_ref = _get(fit, "length_exponent_slope") or 0.0, _get(fit, "reference_length")
+    out: dict[str, Any] = {}
+    if gamma is not None and (gamma != 1.0 or slope != 0.0):
+        out["length_exponent"] = _as_number(gamma)
+        if slope != 0.0:
+            out["length_exponent_slope"] = _as_number(slope)
+        if n_ref is not None:
+            out["reference_length"] = _as_number(n_ref)
+    return out
+
+
+def _phase_entries(phase: str, fit: Any, target_sparsity: float | Mapping[str, float] | None) -> dict[str, Any]:
+    """One calibrated phase's entry in each per-phase section it has (`_PHASE_SECTIONS`); refuses a static threshold
+    and a phase without a target."""
+    if isinstance(fit, PhaseCalibration) and fit.is_static:
+        raise ValueError(
+            f"{phase}: a static threshold (length_exponent 0) has no place in threshold_scale_factor; "
+            "calibrate the phase, or leave it out"
+        )
+    out: dict[str, Any] = {"threshold_scale_factor": {"a": _as_number(_get(fit, "a")), "b": _as_number(_get(fit, "b"))}}
+    target = target_sparsity.get(phase) if isinstance(target_sparsity, Mapping) else target_sparsity
+    if target is None:
+        target = _get(fit, "target_sparsity")
+    if target is None:
+        raise ValueError(f"no target sparsity for calibrated phase {phase!r}; pass target_sparsity=")
+    out["target_sparsity"] = _as_number(target)
+    rng = _get(fit, "observed_sparsity_range") or _get(fit, "sparsity_range")
+    if rng is not None:
+        out["observed_sparsity_range"] = [_as_number(rng[0]), _as_number(rng[1])]
+    r2, n_points = _get(fit, "r2"), _get(fit, "n_points")
+    if r2 is not None or n_points is not None:
+        out["fit"] = {}
+        if r2 is not None:
+            out["fit"]["r2"] = _as_number(r2)
+        if n_points is not None:
+            out["fit"]["n_points"] = int(n_points)
+    out.update(_length_law_entries(fit))
+    return out
+
+
 def build_sparse_attention_config(
     fits: SparseAttentionSettings | Mapping[str, Any],
     *,
@@ -151,67 +206,23 @@ def build_sparse_attention_config(
     unknown = set(fits) - set(PHASES)
     if unknown:
         raise ValueError(f"fits has unknown phases {sorted(unknown)}; expected keys among {list(PHASES)}")
-    tsf: dict[str, Any] = {"formula": FORMULA}
-    targets: dict[str, float] = {}
-    observed: dict[str, list[float]] = {}
-    quality: dict[str, dict[str, Any]] = {}
-    exponents: dict[str, float] = {}
-    slopes: dict[str, float] = {}
-    lengths: dict[str, float] = {}
+    sections: dict[str, dict[str, Any]] = {key: {} for key in _PHASE_SECTIONS}
+    sections["threshold_scale_factor"]["formula"] = FORMULA
     for phase in PHASES:
         fit = fits.get(phase)
         if fit is None:
             continue
-        if isinstance(fit, PhaseCalibration) and fit.is_static:
-            raise ValueError(
-                f"{phase}: a static threshold (length_exponent 0) has no place in threshold_scale_factor; "
-                "calibrate the phase, or leave it out"
-            )
-        tsf[phase] = {"a": _as_number(_get(fit, "a")), "b": _as_number(_get(fit, "b"))}
-        target = target_sparsity.get(phase) if isinstance(target_sparsity, Mapping) else target_sparsity
-        if target is None:
-            target = _get(fit, "target_sparsity")
-        if target is None:
-            raise ValueError(f"no target sparsity for calibrated phase {phase!r}; pass target_sparsity=")
-        targets[phase] = _as_number(target)
-        rng = _get(fit, "observed_sparsity_range") or _get(fit, "sparsity_range")
-        if rng is not None:
-            observed[phase] = [_as_number(rng[0]), _as_number(rng[1])]
-        r2, n_points = _get(fit, "r2"), _get(fit, "n_points")
-        if r2 is not None or n_points is not None:
-            quality[phase] = {}
-            if r2 is not None:
-                quality[phase]["r2"] = _as_number(r2)
-            if n_points is not None:
-                quality[phase]["n_points"] = int(n_points)
-        # γ at the pivot target (a PhaseCalibration carries the γ served at its own target; a fit, the pivot's).
-        gamma = _get(fit, "pivot_length_exponent")
-        gamma = _get(fit, "length_exponent") if gamma is None else gamma
-        slope, n_ref = _get(fit, "length_exponent_slope") or 0.0, _get(fit, "reference_length")
-        if gamma is not None and (gamma != 1.0 or slope != 0.0):
-            exponents[phase] = _as_number(gamma)
-            if slope != 0.0:
-                slopes[phase] = _as_number(slope)
-            if n_ref is not None:
-                lengths[phase] = _as_number(n_ref)
+        for key, value in _phase_entries(phase, fit, target_sparsity).items():
+            sections[key][phase] = value
     group: dict[str, Any] = {
         "algorithm": SKIP_SOFTMAX,
         "targets": list(attention_classes) if attention_classes else ["Attention"],
     }
     if ignore:
         group["ignore"] = list(ignore)
-    group["threshold_scale_factor"] = tsf
-    group["target_sparsity"] = targets
-    if observed:
-        group["observed_sparsity_range"] = observed
-    if quality:
-        group["fit"] = quality
-    if exponents:
-        group["length_exponent"] = exponents
-    if slopes:
-        group["length_exponent_slope"] = slopes
-    if lengths:
-        group["reference_length"] = lengths
+    group["threshold_scale_factor"] = sections["threshold_scale_factor"]
+    group["target_sparsity"] = sections["target_sparsity"]
+    group.update((key, sections[key]) for key in _PHASE_SECTIONS[2:] if sections[key])
     block = {
         "config_groups": {group_name: group},
         "producer": dict(producer) if producer else {"name": PRODUCER_NAME, "version": _producer_version()},

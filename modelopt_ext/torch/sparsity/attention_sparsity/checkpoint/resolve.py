@@ -236,9 +236,8 @@ def _refuse_sparse_softmax(model: SparseAttentionBlock, path: str) -> None:
     )
 
 
-def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> SparseAttentionSettings:
-    """What a validated block serves (see the module docstring); warnings for what a user should know."""
-    _refuse_sparse_softmax(model, path)
+def _skip_softmax_group(model: SparseAttentionBlock, path: str) -> tuple[str, str, SkipSoftmaxGroup]:
+    """(name, path, group) of the block's one skip_softmax group; refuses a block with none or several."""
     skip_names = [n for n, g in model.config_groups.items() if isinstance(g, SkipSoftmaxGroup)]
     if not skip_names:
         raise SparseAttentionConfigError(
@@ -250,70 +249,72 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             f"{path}.config_groups: has several skip_softmax groups {skip_names}; keep exactly one"
         )
     name = skip_names[0]
-    gpath = f"{path}.config_groups.{name}"
-    group: SkipSoftmaxGroup = model.config_groups[name]
+    return name, f"{path}.config_groups.{name}", model.config_groups[name]
 
-    unknown = [f"{path}.{k}" for k in (model.model_extra or {})]
-    unknown += [f"{gpath}.{k}" for k in (group.model_extra or {})]
-    _report_unknown_once(unknown)
 
-    phases: dict[str, PhaseCalibration | None] = {}
-    if not any(group.calibrated(p) is not None for p in PHASES):
-        lam = MODELOPT_STATIC_THRESHOLD
+def _static_phases(group: SkipSoftmaxGroup, gpath: str) -> dict[str, PhaseCalibration | None]:
+    """ModelOpt's static default λ for both phases, for a group that calibrates neither (as ModelOpt serves it)."""
+    lam = MODELOPT_STATIC_THRESHOLD
+    logger.warning(
+        "%s calibrates no phase (no threshold_scale_factor.prefill/decode): serving NVIDIA ModelOpt's static "
+        "default threshold λ = %g for every row of both phases, as ModelOpt 0.47 does%s; calibrate the "
+        "checkpoint for a target sparsity", gpath, lam,
+        f" (its `ignore` list {list(group.ignore)} is honoured here; ModelOpt 0.47's static preset ignores it)"
+        if group.ignore else "",
+    )  # fmt: skip
+    static = PhaseCalibration(lam, 0.0, 0.0, length_exponent=0.0)
+    return {"prefill": static, "decode": static}
+
+
+def _calibrated_phase(group: SkipSoftmaxGroup, phase: str, gpath: str) -> PhaseCalibration | None:
+    """One phase's served law from its calibration, target and length exponent; None (dense) when the phase is not
+    calibrated or its `a` is 0. Warns about a missing target and a target outside the observed range."""
+    params = group.calibrated(phase)
+    target = group.target(phase)
+    if params is None:
+        if target is not None:
+            # ModelOpt exports targets for both phases even when it calibrated one: normal, not a warning.
+            logger.info("%s.target_sparsity.%s is set but %s is not calibrated: %s stays dense",
+                        gpath, phase, phase, phase)  # fmt: skip
+        return None
+    if params.a == 0.0:
+        logger.warning("%s.threshold_scale_factor.%s.a is 0: NVIDIA ModelOpt serves %s dense, and so do we",
+                       gpath, phase, phase)  # fmt: skip
+        return None
+    if target is None:
         logger.warning(
-            "%s calibrates no phase (no threshold_scale_factor.prefill/decode): serving NVIDIA ModelOpt's static "
-            "default threshold λ = %g for every row of both phases, as ModelOpt 0.47 does%s; calibrate the "
-            "checkpoint for a target sparsity", gpath, lam,
-            f" (its `ignore` list {list(group.ignore)} is honoured here; ModelOpt 0.47's static preset ignores it)"
-            if group.ignore else "",
+            "%s.target_sparsity.%s is missing; serving %s at ModelOpt's default target %.2f",
+            gpath, phase, phase, DEFAULT_TARGET_SPARSITY,
         )  # fmt: skip
-        static = PhaseCalibration(lam, 0.0, 0.0, length_exponent=0.0)
-        phases = {"prefill": static, "decode": static}
-    for phase in PHASES if not phases else ():
-        params = group.calibrated(phase)
-        target = group.target(phase)
-        if params is None:
-            if target is not None:
-                # ModelOpt exports targets for both phases even when it calibrated one: normal, not a warning.
-                logger.info("%s.target_sparsity.%s is set but %s is not calibrated: %s stays dense",
-                            gpath, phase, phase, phase)  # fmt: skip
-            phases[phase] = None
-            continue
-        if params.a == 0.0:
-            logger.warning("%s.threshold_scale_factor.%s.a is 0: NVIDIA ModelOpt serves %s dense, and so do we",
-                           gpath, phase, phase)  # fmt: skip
-            phases[phase] = None
-            continue
-        if target is None:
-            logger.warning(
-                "%s.target_sparsity.%s is missing; serving %s at ModelOpt's default target %.2f",
-                gpath, phase, phase, DEFAULT_TARGET_SPARSITY,
-            )  # fmt: skip
-            target = DEFAULT_TARGET_SPARSITY
-        observed = None if group.observed_sparsity_range is None else group.observed_sparsity_range.get(phase)
-        fit = None if group.fit is None else group.fit.get(phase)
-        pivot, slope = group.per_phase("length_exponent", phase), group.per_phase("length_exponent_slope", phase)
-        pivot = 1.0 if pivot is None else pivot
-        gamma = served_length_exponent(pivot, slope or 0.0, target, f"{gpath} {phase}")
-        if observed is not None and not observed[0] <= target <= observed[1]:
-            logger.warning(
-                "%s target sparsity %.3f lies outside the sparsity range observed during calibration [%.3f, %.3f]: "
-                "the threshold is extrapolated and the realised sparsity may differ; recalibrate with wider trials "
-                "or pick a target inside the range",
-                phase, target, observed[0], observed[1],
-            )  # fmt: skip
-        phases[phase] = PhaseCalibration(
-            params.a,
-            params.b,
-            target,
-            observed_sparsity_range=observed,
-            r2=None if fit is None else fit.r2,
-            n_points=None if fit is None else fit.n_points,
-            length_exponent=gamma,
-            reference_length=group.per_phase("reference_length", phase),
-            length_exponent_slope=slope or 0.0,
-            stored_pivot_exponent=pivot if slope else None,
-        )
+        target = DEFAULT_TARGET_SPARSITY
+    observed = None if group.observed_sparsity_range is None else group.observed_sparsity_range.get(phase)
+    fit = None if group.fit is None else group.fit.get(phase)
+    pivot, slope = group.per_phase("length_exponent", phase), group.per_phase("length_exponent_slope", phase)
+    pivot = 1.0 if pivot is None else pivot
+    gamma = served_length_exponent(pivot, slope or 0.0, target, f"{gpath} {phase}")
+    if observed is not None and not observed[0] <= target <= observed[1]:
+        logger.warning(
+            "%s target sparsity %.3f lies outside the sparsity range observed during calibration [%.3f, %.3f]: "
+            "the threshold is extrapolated and the realised sparsity may differ; recalibrate with wider trials "
+            "or pick a target inside the range",
+            phase, target, observed[0], observed[1],
+        )  # fmt: skip
+    return PhaseCalibration(
+        params.a,
+        params.b,
+        target,
+        observed_sparsity_range=observed,
+        r2=None if fit is None else fit.r2,
+        n_points=None if fit is None else fit.n_points,
+        length_exponent=gamma,
+        reference_length=group.per_phase("reference_length", phase),
+        length_exponent_slope=slope or 0.0,
+        stored_pivot_exponent=pivot if slope else None,
+    )
+
+
+def _warn_about_served_phases(model: SparseAttentionBlock, phases: dict, gpath: str) -> None:
+    """Say when nothing is served sparse, and when ModelOpt's (a, b) will realize more sparsity here than targeted."""
     if all(cal is None for cal in phases.values()):
         logger.warning("%s: no phase is calibrated with a > 0; the checkpoint is served dense", gpath)
     producer = (model.producer or {}).get("name")
@@ -325,6 +326,22 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
             "the target (README, 'Compatibility with NVIDIA ModelOpt'). Recalibrate with modelopt_ext to serve the "
             "target; recalibration keeps the group's ignore list and other policy", gpath,
         )  # fmt: skip
+
+
+def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> SparseAttentionSettings:
+    """What a validated block serves (see the module docstring); warnings for what a user should know."""
+    _refuse_sparse_softmax(model, path)
+    name, gpath, group = _skip_softmax_group(model, path)
+
+    unknown = [f"{path}.{k}" for k in (model.model_extra or {})]
+    unknown += [f"{gpath}.{k}" for k in (group.model_extra or {})]
+    _report_unknown_once(unknown)
+
+    if not any(group.calibrated(p) is not None for p in PHASES):
+        phases = _static_phases(group, gpath)
+    else:
+        phases = {phase: _calibrated_phase(group, phase, gpath) for phase in PHASES}
+    _warn_about_served_phases(model, phases, gpath)
     return SparseAttentionSettings(
         prefill=phases["prefill"],
         decode=phases["decode"],
