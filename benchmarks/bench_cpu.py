@@ -257,13 +257,22 @@ def baseline_kernel(rev: str):
 
     from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
 
-    path = cpu_kernel.SOURCE.relative_to(REPO).as_posix()
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
-                            text=True).stdout  # fmt: skip
-    source = source.replace("modelopt_ext_cpu", "modelopt_ext_cpu_baseline")
-    key = hashlib.sha256((source + cpu_kernel.build_key()).encode()).hexdigest()[:16]
+    def show(path: str) -> str:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+        return text.replace("modelopt_ext_cpu", "modelopt_ext_cpu_baseline")
+
+    csrc = cpu_kernel.SOURCE.parent.relative_to(REPO).as_posix()
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{csrc}"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    headers = {name: show(f"{csrc}/{name}") for name in sorted(listed) if name.endswith(".h")}  # from 8e4d289 on
+    source = show(f"{csrc}/{cpu_kernel.SOURCE.name}")
+    texts = source + "".join(name + text for name, text in headers.items())
+    key = hashlib.sha256((texts + cpu_kernel.build_key()).encode()).hexdigest()[:16]
     build_dir = cpu_kernel.cache_root() / f"baseline_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():  # the source includes them from its own folder
+        (build_dir / name).write_text(text)
     src = build_dir / "skip_softmax_cpu_baseline.cpp"
     src.write_text(source)
     cpu_kernel.compile_extension(f"modelopt_ext_skip_softmax_cpu_baseline_{key}", src, build_dir)
