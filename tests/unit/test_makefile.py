@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "torch_cpu_source.py"
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_TORCH = "2.13.0+cpu"
-TIMEOUT = 240  # generous for `make -n` (only a hang trips it); a test calls make at most three times, below pytest's 900 s
+TIMEOUT = 240  # generous for `make -n` (only a hang trips it); at most three make calls a test, below 900 s
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
 
