@@ -1,0 +1,306 @@
+#!/usr/bin/env python
+"""What should a skip decision be: per query row, or per block of rows a GPU program holds? Quality at equal work.
+
+A GPU program saves a key tile's V load, exp and P·V only when every row it holds drops the tile (prefill: its block
+of query rows; decode: the query heads sharing a KV head). Contract version 2 decides per row, so part of what it
+drops costs accuracy without saving GPU work. This benchmark measures, on a real model and held-out text, perplexity
+against the work GPU programs can skip, for decision rules applied in every layer:
+
+- `row`: contract version 2 (docs/skip_softmax.md): each row drops tile t when g[t] - m[t] < ln λ, with m the running
+  max of the row's tiles in t's split, seeded with tile 0 (the anchor); tile 0 is never dropped.
+- `blockB`: the same test, but a tile is dropped for an aligned block of B prompt rows (absolute positions
+  p // B equal) only when every row of the block that visits the tile would drop it (AND), as a program of B rows
+  can act on.
+- `gqa`: the AND over the query heads that share a KV head, per row (what one decode program can act on).
+
+For each rule and each λ of a sweep, one teacher-forced forward of the held-out text gives the perplexity, the
+row-level sparsity (the contract's count) and the share of (program, tile) pairs GPU programs of 64 and 128 rows and
+GQA groups can skip. Attention is computed densely in float32 with the dropped tiles masked out (a faithful model of
+what the kernels compute, not a kernel): the point is quality, not speed.
+
+    .venv-cpu/bin/python benchmarks/decision_quality.py --out artifacts/decision_quality    # ~30 min on 2 cores
+    .venv-cpu/bin/python benchmarks/decision_quality.py --quick --out /tmp/dq                # ~3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K
+
+logger = logging.getLogger("decision_quality")
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
+RULES = ("row", "block64", "block128", "gqa")
+PROGRAM_ROWS = (64, 128)
+TILES_PER_SPLIT = SPLIT_TOKENS // TILE_K
+
+
+# ------------------------------------------------------------------------------------------------- the decisions
+
+
+def tile_statistics(scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, visited) for scores [H, Q, K] (causally masked with -inf) of rows at absolute `positions` [Q]: g[h, q, t]
+    is the max of tile t's visible scores, visited[q, t] whether row q visits tile t (t <= pos // TILE_K)."""
+    heads, rows, keys = scores.shape
+    tiles = math.ceil(keys / TILE_K)
+    padded = torch.nn.functional.pad(scores, (0, tiles * TILE_K - keys), value=-math.inf)
+    g = padded.view(heads, rows, tiles, TILE_K).amax(-1)
+    visited = torch.arange(tiles)[None, :] <= (positions // TILE_K)[:, None]
+    return g, visited
+
+
+def row_drops(g: torch.Tensor, visited: torch.Tensor, ln_lambda: float) -> torch.Tensor:
+    """Contract version 2's per-row decisions [H, Q, T]: drop t > 0 when g[t] - m[t] < ln λ, m[t] the max of tile 0
+    and of the earlier tiles of t's split."""
+    heads, rows, tiles = g.shape
+    splits = math.ceil(tiles / TILES_PER_SPLIT)
+    gs = torch.nn.functional.pad(g, (0, splits * TILES_PER_SPLIT - tiles), value=-math.inf)
+    gs = gs.view(heads, rows, splits, TILES_PER_SPLIT)
+    running = torch.cummax(gs, dim=-1).values
+    before = torch.cat([torch.full_like(running[..., :1], -math.inf), running[..., :-1]], dim=-1)
+    m = torch.maximum(before.reshape(heads, rows, -1)[..., :tiles], g[..., :1])
+    drop = (g - m) < ln_lambda
+    drop[..., 0] = False
+    return drop & visited
+
+
+def block_decisions(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int):
+    """Aligned blocks of `rows` prompt rows (absolute position // rows): (block_drop [H, blocks, T], block_visits
+    [blocks, T], block of each row [Q]). A block drops a tile it visits iff every row of it that visits the tile
+    drops it (AND)."""
+    ids, inverse = torch.unique(positions // rows, return_inverse=True)
+    keep = ((~drop) & visited).to(torch.int32)  # a visiting row that keeps the tile vetoes it for its block
+    veto = torch.zeros(drop.shape[0], len(ids), drop.shape[2], dtype=torch.int32).index_add_(1, inverse, keep)
+    visits = torch.zeros(len(ids), drop.shape[2], dtype=torch.int32).index_add_(0, inverse, visited.to(torch.int32))
+    return (veto == 0) & (visits > 0)[None], visits > 0, inverse
+
+
+def block_and(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row drops turned into aligned-block decisions, per row [H, Q, T]."""
+    block_drop, _, inverse = block_decisions(drop, visited, positions, rows)
+    return block_drop[:, inverse] & visited
+
+
+def gqa_and(drop: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-row drops turned into GQA-group decisions: all `group` query heads of a KV head drop, or none does."""
+    heads, rows, tiles = drop.shape
+    together = drop.view(heads // group, group, rows, tiles).all(1, keepdim=True)
+    return together.expand(-1, group, -1, -1).reshape(heads, rows, tiles)
+
+
+def program_share(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int) -> tuple[int, int]:
+    """(skippable, visited) (program, tile) pairs for programs of `rows` aligned prompt rows of one head."""
+    block_drop, visits, _ = block_decisions(drop, visited, positions, rows)
+    return int(block_drop.sum()), int(visits.sum()) * drop.shape[0]
+
+
+def group_share(drop: torch.Tensor, visited: torch.Tensor, group: int) -> tuple[int, int]:
+    """(skippable, visited) (row, KV head, tile) triples for decode programs holding one GQA group."""
+    heads = drop.shape[0]
+    all_drop = drop.view(heads // group, group, *drop.shape[1:]).all(1)
+    return int(all_drop.sum()), int(visited.sum()) * (heads // group)
+
+
+# ----------------------------------------------------------------------------------------- the model's attention
+
+
+class Recorder:
+    """Rule and λ of the current forward, and what its decisions counted (summed over layers)."""
+
+    def __init__(self, group: int):
+        self.group = group
+        self.rule = "dense"
+        self.ln_lambda = -math.inf
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = {"row": [0, 0], "gqa": [0, 0], **{f"prog{r}": [0, 0] for r in PROGRAM_ROWS}}
+
+    def add(self, name: str, skipped: int, visited: int) -> None:
+        self.counts[name][0] += skipped
+        self.counts[name][1] += visited
+
+    def shares(self) -> dict[str, float]:
+        return {k: (s / v if v else 0.0) for k, (s, v) in self.counts.items()}
+
+
+def decided_attention(recorder: Recorder, q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence (q [Hq, Q, D], k/v [Hkv, K, D]) with the rule's dropped tiles masked out."""
+    heads, rows, _ = q.shape
+    keys = k.shape[1]
+    k = k.repeat_interleave(heads // k.shape[0], dim=0)
+    v = v.repeat_interleave(heads // v.shape[0], dim=0)
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+    positions = torch.arange(keys - rows, keys)
+    causal = torch.arange(keys)[None, :] > positions[:, None]
+    scores.masked_fill_(causal[None], -math.inf)
+    if recorder.rule != "dense":
+        g, visited = tile_statistics(scores, positions)
+        drop = row_drops(g, visited, recorder.ln_lambda)
+        if recorder.rule.startswith("block"):
+            drop = block_and(drop, visited, positions, int(recorder.rule[len("block"):]))
+        elif recorder.rule == "gqa":
+            drop = gqa_and(drop, recorder.group)
+        recorder.add("row", int(drop.sum()), int(visited.sum()) * heads)
+        recorder.add("gqa", *group_share(drop, visited, recorder.group))
+        for r in PROGRAM_ROWS:
+            recorder.add(f"prog{r}", *program_share(drop, visited, positions, r))
+        key_drop = drop.repeat_interleave(TILE_K, dim=-1)[..., :keys]
+        scores.masked_fill_(key_drop, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def register(recorder: Recorder) -> str:
+    """A transformers attention function (AttentionInterface) running `decided_attention`; returns its name."""
+    from transformers import AttentionInterface
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.stack([decided_attention(recorder, query[b], key[b], value[b], scale)
+                           for b in range(query.shape[0])])
+        return out.transpose(1, 2).contiguous(), None
+
+    name = "modelopt_ext_decision_quality"
+    AttentionInterface.register(name, forward)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------------- the run
+
+
+def perplexity(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="mean")
+    return float(torch.exp(nll))
+
+
+def texts(tokenizer, lengths: dict[str, int]) -> dict[str, torch.Tensor]:
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.natural_text import heldout_prompt
+
+    out = {}
+    for spec, n in lengths.items():
+        source = spec.split(":")[0]
+        text, _ = heldout_prompt(tokenizer, source, n)
+        out[f"{source} {n // 1024}k"] = tokenizer(text, return_tensors="pt").input_ids[:, :n]
+    return out
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "threads": torch.get_num_threads()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def run(args) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(args.model)
+    group = config.num_attention_heads // config.num_key_value_heads
+    recorder = Recorder(group)
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model.set_attn_implementation(register(recorder))
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    docs = texts(tokenizer, {f"{s}:{i}": n for i, (s, n) in enumerate(args.texts)})
+    results = {"machine": machine(), "model": str(args.model), "rules": list(args.rules),
+               "ln_lambdas": args.ln_lambdas, "docs": {}}  # fmt: skip
+    for name, ids in docs.items():
+        start = time.perf_counter()
+        recorder.rule = "dense"
+        dense = perplexity(model, ids)
+        rows = []
+        for rule in args.rules:
+            for ln_lambda in args.ln_lambdas:
+                recorder.rule, recorder.ln_lambda = rule, ln_lambda
+                recorder.reset()
+                ppl = perplexity(model, ids)
+                rows.append({"rule": rule, "ln_lambda": ln_lambda, "ppl": ppl, "ppl_vs_dense": ppl / dense - 1,
+                             **recorder.shares()})  # fmt: skip
+                logger.info("%s %s ln λ=%.1f: ppl %+.2f %%, row %.3f, prog64 %.3f, prog128 %.3f, gqa %.3f", name,
+                            rule, ln_lambda, 100 * (ppl / dense - 1), *(rows[-1][k] for k in
+                                                                        ("row", "prog64", "prog128", "gqa")))
+        results["docs"][name] = {"tokens": ids.shape[1], "dense_ppl": dense, "rows": rows,
+                                 "seconds": time.perf_counter() - start}  # fmt: skip
+        write_json(args.out / "results.json", results)
+    return results
+
+
+def interpolate(rows: list[dict], rule: str, share_key: str, share: float) -> float | None:
+    """Perplexity change of `rule` at a skippable share, interpolated linearly between the sweep's points."""
+    pts = sorted((r[share_key], r["ppl_vs_dense"]) for r in rows if r["rule"] == rule)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x0 <= share <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (share - x0) / (x1 - x0)
+    return None
+
+
+def table(results: dict, shares=(0.3, 0.4, 0.5, 0.6)) -> str:
+    """Perplexity change per rule at equal GPU work: prefill programs of 128 rows, and decode GQA groups."""
+    lines = []
+    for key, what, rules in (("prog128", "prefill programs of 128 rows", ("row", "block64", "block128")),
+                             ("prog64", "prefill programs of 64 rows", ("row", "block64")),
+                             ("gqa", "decode GQA groups", ("row", "gqa"))):
+        lines += [f"\nPerplexity vs dense at equal skipped work of {what}:", "",
+                  "| text | rule | " + " | ".join(f"skip {s:.1f}" for s in shares) + " |",
+                  "|---|---|" + "---|" * len(shares)]
+        for name, doc in results["docs"].items():
+            for rule in rules:
+                cells = [interpolate(doc["rows"], rule, key, s) for s in shares]
+                lines.append(f"| {name} | {rule} | " + " | ".join("-" if c is None else f"{100 * c:+.2f} %"
+                                                                  for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--texts", default="prose:4096,code:2048",
+                   help="held-out texts as source:tokens, comma-separated (sources: prose, code)")
+    p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--ln-lambdas", default="-14,-11,-9,-7,-5.5,-4,-3")
+    p.add_argument("--quick", action="store_true", help="one 1k prose text, three λ")
+    p.add_argument("--out", type=Path, default=Path("artifacts/decision_quality"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.texts, args.ln_lambdas = "prose:1024", "-9,-6,-4"
+    args.texts = [(s.split(":")[0], int(s.split(":")[1])) for s in args.texts.split(",")]
+    args.rules = [r for r in args.rules.split(",") if r]
+    unknown = [r for r in args.rules if r not in RULES]
+    if unknown:
+        p.error(f"--rules: unknown {unknown}; choose from {', '.join(RULES)}")
+    args.ln_lambdas = [float(x) for x in args.ln_lambdas.split(",")]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    results = run(args)
+    text = table(results)
+    print(text)
+    (args.out / "table.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
