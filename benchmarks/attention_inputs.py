@@ -124,9 +124,10 @@ def default_inputs_path(folder: str | Path = DEFAULT_DIR) -> Path | None:
     return next(f for f, m in code if m["layer"] == mid)
 
 
-def missing_message(folder: str | Path = DEFAULT_DIR) -> str:
-    return (f"no captured attention inputs in {folder}: make them with `{CAPTURE_COMMAND}` (about a minute on 2 "
-            "cores), pass --inputs FILE, or run on --synthetic inputs")
+def missing_message(folder: str | Path = DEFAULT_DIR, path: str | Path | None = None) -> str:
+    where = f"{path}: no such capture file" if path else f"no captured attention inputs in {folder}"
+    return (f"{where}: make them with `{CAPTURE_COMMAND}` (a few minutes on 2 cores), pass --inputs FILE, or run "
+            "on --synthetic inputs")
 
 
 # ---------------------------------------------------------------------------------------------- benchmark shapes

@@ -64,6 +64,8 @@ TINY_LAMBDA = 1e-20  # skipping on, nothing dropped
 TARGETS = (0.5, 0.7)
 ROTATE_BYTES = 96 * 2**20  # cache copies so that a round's working set exceeds the last-level cache
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+REAL_INPUTS = None  # the captured attention the kernel shapes are tiled from (benchmarks/attention_inputs.py)
+PACKED_TARGET_ROWS, TARGET_ROWS = 512, 192  # (row, head) pairs per work item of the compiled kernel (csrc/common.h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -78,6 +80,11 @@ def structured_kv(kv_len: int, n_q: int, seed: int, dtype):
     """
     import torch
 
+    if REAL_INPUTS is not None:  # real attention: the capture tiled to HQ / HKV / HEAD (attention_inputs.py)
+        import attention_inputs
+
+        q, k, v, _ = attention_inputs.tile_to_shape(REAL_INPUTS, HQ, HKV, HEAD, kv_len, dtype=torch.float32)
+        return q[kv_len - n_q :].to(dtype), k.to(dtype), v.to(dtype)
     g = torch.Generator().manual_seed(seed)
     n_rot = 8
     noise_dims = HEAD - 1 - 2 * n_rot
@@ -170,7 +177,7 @@ class KernelCase:
         self.seq_lens = torch.full((batch,), kv_len, dtype=torch.int32)
         self.out_native = torch.empty_like(self.q)
         self.out_ours = torch.empty_like(self.q)
-        self.scale = HEAD**-0.5
+        self.scale = REAL_INPUTS.softmax_scale if REAL_INPUTS is not None else HEAD**-0.5
         self.turn = 0
         self.metadata = None
         self._plans = {}
@@ -303,6 +310,18 @@ def find_lambdas(case: KernelCase, targets) -> dict[float, tuple[float, float]]:
     return found
 
 
+def item_v_sparsity(case: KernelCase, lam: float, dtype: str) -> float:
+    """Prefill: the share of (work item, tile) pairs whose V no (row, head) of the item needs at λ. A work item of
+    the compiled kernel holds `rows_per_item` query rows of a KV head's whole GQA group (192 (row, head) pairs on the
+    vector path, 512 packed bf16); it skips exp and P·V per row, the V load only for such tiles."""
+    import coherence
+
+    group = HQ // HKV
+    rows = max(1, (PACKED_TARGET_ROWS if dtype == "bf16" else TARGET_ROWS) // group)
+    q, k = case.logical[0]
+    return coherence.ProgramShare(q, k, case.scale, "prefill", rows, group_heads=True).share(lam)
+
+
 def kv_tile_sparsity(case: KernelCase, lam: float) -> float:
     """Decode: the share of (sequence, KV head, tile) whose V is never read at λ, because every query head of the
     GQA group drops the tile (float64 reference decisions). Decode reads all of K and the rest of V, so this, not
@@ -395,6 +414,8 @@ def run_kernel(args) -> list[dict]:
         diff = (case.ours().float() - case.native().float()).abs().max().item()
         kv_skip = {t: dict(kv_tile_skip=kv_tile_sparsity(case, lam)) for t, (lam, _) in lams.items()
                    if phase == "decode"}  # fmt: skip
+        if phase == "prefill":  # V tiles a whole work item (its rows of one GQA group) drops
+            kv_skip = {t: dict(item_v_skip=item_v_sparsity(case, lam, args.dtype)) for t, (lam, _) in lams.items()}
         for n_threads in threads:
             case.set_threads(n_threads)
             fns = {"native": case.native, "dense": case.ours, "lambda_off": lambda c=case: c.ours(lam=TINY_LAMBDA)}
@@ -643,11 +664,13 @@ def write_json(out: Path, key: str, records: list[dict]) -> None:
 
 
 def skip_bound(v: dict) -> str:
-    """The byte bound of a variant's skip gain: rows' V saved (prefill) or the GQA group's (decode)."""
+    """The bound of a variant's skip gain: prefill, the rows' exp and P·V (the compiled kernel skips them per row;
+    beside it the share of V tiles a whole work item drops); decode, the bytes of the V tiles the GQA group drops."""
     if "kv_tile_skip" in v:
         s = v["kv_tile_skip"]
         return f"V tiles {s:.2f}: {2 / (2 - s):.2f}×"
-    return f"{2 / (2 - v['realized']):.2f}×"
+    item = f", item V tiles {v['item_v_skip']:.2f}" if "item_v_skip" in v else ""
+    return f"{2 / (2 - v['realized']):.2f}×{item}"
 
 
 def kernel_table(records: list[dict]) -> str:
@@ -761,6 +784,9 @@ def main(argv=None) -> int:
     k.add_argument("--min-seconds", type=float, default=2.0, help="keep adding rounds until this much time passed")
     k.add_argument("--quick", action="store_true", help="2k/4k prefill, 2k/8k decode at batch 1, 1 thread")
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--inputs", type=Path, default=None, help="captured attention inputs (benchmarks/attention_inputs"
+                   ".py; default: the capture in .cache/attention_inputs/)")
+    k.add_argument("--synthetic", action="store_true", help="synthetic structured K/V instead of a capture")
     k.add_argument("--baseline-rev", default=None, help="also time this git revision's compiled kernel (dense, "
                    "s≈0.5, s≈0.7), interleaved with today's: old/new time ratios per row; revisions from 9418282 "
                    "on, whose op takes today's arguments")
@@ -798,6 +824,21 @@ def main(argv=None) -> int:
     pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     args = p.parse_args(argv)
     if args.cmd == "kernel":
+        global REAL_INPUTS
+        if not args.synthetic:
+            import attention_inputs
+
+            path = args.inputs or attention_inputs.default_inputs_path()
+            if path is None or not Path(path).is_file():
+                print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
+                return 2
+            REAL_INPUTS = attention_inputs.load_inputs(path)
+            m = REAL_INPUTS.meta
+            print(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens), tiled to each shape")
+            write_json(args.out, "inputs", {k: v for k, v in m.items()})
+        else:
+            print("inputs: synthetic (sink, salience, recency, noise)")
+            write_json(args.out, "inputs", "synthetic")
         if args.quick:
             args.prefill, args.decode, args.batch, args.threads = [2048, 4096], [2048, 8192], [1], [1]
         run_kernel(args)

@@ -200,6 +200,63 @@ def decode_group_share(q_row: torch.Tensor, k: torch.Tensor, softmax_scale: floa
     return dict(program=float((grp < log_lam).sum()) / (hkv * nt), row=float(drops(gaps, log_lam).sum()) / (hq * nt))
 
 
+class ProgramShare:
+    """The skippable share of one benchmark input as a function of λ, from statistics computed once: for prefill
+    (q [N, Hq, D] at positions 0..N−1) the block maxima of `max_blocks` evenly spaced aligned blocks of `block_rows`
+    rows (all blocks when fewer), for decode (q [1, Hq, D] at position len(k) − 1) the GQA-group maxima. `share(λ)`
+    is then the fraction of (program, 64-key tile) pairs the program can skip, `row(λ)` the row-tile sparsity of
+    the same rows. `group_heads`: a prefill program holds the block's rows of a KV head's whole GQA group (the
+    compiled CPU kernel's work item) instead of one query head. Computed on the inputs' device, kept on the CPU."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float, phase: str, block_rows: int = 64,
+                 max_blocks: int = 64, group_heads: bool = False):
+        self.phase, self.block_rows = phase, block_rows
+        stats, needs, rows, vis = [], [], [], []
+        if phase == "decode":
+            gaps = row_tile_gaps(q[-1:], k, softmax_scale, torch.tensor([k.shape[0] - 1], device=q.device))
+            hq, hkv = q.shape[1], k.shape[1]
+            stats.append(group_stat(gaps, hq // hkv).cpu().float())
+            needs.append(torch.ones(gaps.shape[1:], dtype=torch.bool))
+            rows.append(gaps.cpu().float())
+            vis.append(torch.ones(gaps.shape[1:], dtype=torch.bool))
+        else:
+            n = q.shape[0]
+            nb = -(-n // block_rows)
+            chosen = range(nb) if nb <= max_blocks else sorted({int(i * (nb - 1) / (max_blocks - 1))
+                                                                 for i in range(max_blocks)})
+            for b in chosen:
+                r0, r1 = b * block_rows, min(n, (b + 1) * block_rows)
+                pos = torch.arange(r0, r1, device=q.device)
+                gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, pos)
+                v = ((torch.arange(gaps.shape[-1], device=q.device) * TILE_K)[None, :] <= pos[:, None])
+                stat = gaps.amax(1)  # [H, nt]
+                if group_heads:
+                    stat = stat.unflatten(0, (k.shape[1], -1)).amax(1)  # [Hkv, nt]
+                stats.append(stat.cpu().float())
+                needs.append(v.any(0).cpu()[None])
+                rows.append(gaps.cpu().float())
+                vis.append(v.cpu())
+        self._stats = [(s, n_) for s, n_ in zip(stats, needs)]
+        self._rows = [(g[:, v] if g.dim() == 3 else g, int(v.sum()) * g.shape[0]) for g, v in zip(rows, vis)]
+        self.blocks = len(stats)
+
+    def share(self, lam: float | None) -> float:
+        if lam is None or not 0.0 < lam < 1.0:
+            return 0.0
+        ll = math.log(lam)
+        skipped = sum(int(((s < ll) & n).sum()) for s, n in self._stats)
+        total = sum(int(n.expand_as(s).sum()) for s, n in self._stats)
+        return skipped / total if total else 0.0
+
+    def row(self, lam: float | None) -> float:
+        if lam is None or not 0.0 < lam < 1.0:
+            return 0.0
+        ll = math.log(lam)
+        dropped = sum(int(((g < ll) & (g > -math.inf)).sum()) for g, _ in self._rows)
+        total = sum(t for _, t in self._rows)
+        return dropped / total if total else 0.0
+
+
 # ------------------------------------------------------------------------------------------------------ report
 
 
