@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture", help="capture Q/K/V of a few layers on held-out prose and code")
-    c.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local Hugging Face checkpoint (default: %(default)s)")
+    c.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                   help="local Hugging Face checkpoint (default: %(default)s)")
     c.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="prompt tokens (default: %(default)s)")
     c.add_argument("--layers", type=_ints, default=None, help="comma list (default: 4 spread over depth)")
     c.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help="held-out text: prose, code or both")

@@ -236,8 +236,8 @@ class ProgramShare:
                 needs.append(v.any(0).cpu()[None])
                 rows.append(gaps.cpu().float())
                 vis.append(v.cpu())
-        self._stats = [(s, n_) for s, n_ in zip(stats, needs)]
-        self._rows = [(g[:, v] if g.dim() == 3 else g, int(v.sum()) * g.shape[0]) for g, v in zip(rows, vis)]
+        self._stats = [(s, n_) for s, n_ in zip(stats, needs, strict=True)]
+        self._rows = [(g[:, v], int(v.sum()) * g.shape[0]) for g, v in zip(rows, vis, strict=True)]
         self.blocks = len(stats)
 
     def share(self, lam: float | None) -> float:
