@@ -319,7 +319,7 @@ def item_v_sparsity(case: KernelCase, lam: float, dtype: str) -> float:
     group = HQ // HKV
     rows = max(1, (PACKED_TARGET_ROWS if dtype == "bf16" else TARGET_ROWS) // group)
     q, k = case.logical[0]
-    return coherence.ProgramShare(q, k, case.scale, "prefill", rows, group_heads=True).share(lam)
+    return coherence.ProgramShare(q, k, case.scale, "prefill", rows, group_heads=True, rows=False).share(lam)
 
 
 def kv_tile_sparsity(case: KernelCase, lam: float) -> float:

@@ -209,15 +209,16 @@ class ProgramShare:
     compiled CPU kernel's work item) instead of one query head. Computed on the inputs' device, kept on the CPU."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float, phase: str, block_rows: int = 64,
-                 max_blocks: int = 64, group_heads: bool = False):
+                 max_blocks: int = 64, group_heads: bool = False, rows: bool = True):
         self.phase, self.block_rows = phase, block_rows
+        keep_rows = rows  # `row(λ)` needs every row-tile gap; the benchmarks need only `share`
         stats, needs, rows, vis = [], [], [], []
         if phase == "decode":
             gaps = row_tile_gaps(q[-1:], k, softmax_scale, torch.tensor([k.shape[0] - 1], device=q.device))
             hq, hkv = q.shape[1], k.shape[1]
             stats.append(group_stat(gaps, hq // hkv).cpu().float())
             needs.append(torch.ones(gaps.shape[1:], dtype=torch.bool))
-            rows.append(gaps.cpu().float())
+            rows.append(gaps.cpu().float() if keep_rows else gaps[:, :0].cpu())
             vis.append(torch.ones(gaps.shape[1:], dtype=torch.bool))
         else:
             n = q.shape[0]
@@ -234,10 +235,10 @@ class ProgramShare:
                     stat = stat.unflatten(0, (k.shape[1], -1)).amax(1)  # [Hkv, nt]
                 stats.append(stat.cpu().float())
                 needs.append(v.any(0).cpu()[None])
-                rows.append(gaps.cpu().float())
+                rows.append(gaps.cpu().float() if keep_rows else gaps[:, :0].cpu())
                 vis.append(v.cpu())
         self._stats = [(s, n_) for s, n_ in zip(stats, needs, strict=True)]
-        self._rows = [(g[:, v], int(v.sum()) * g.shape[0]) for g, v in zip(rows, vis, strict=True)]
+        self._rows = [(g[:, v], int(v.sum()) * g.shape[0]) for g, v in zip(rows, vis, strict=True)] if keep_rows else []
         self.blocks = len(stats)
 
     def share(self, lam: float | None) -> float:
@@ -249,6 +250,8 @@ class ProgramShare:
         return skipped / total if total else 0.0
 
     def row(self, lam: float | None) -> float:
+        if not self._rows:
+            raise ValueError("built with rows=False: no row-tile gaps kept")
         if lam is None or not 0.0 < lam < 1.0:
             return 0.0
         ll = math.log(lam)
