@@ -176,6 +176,9 @@ class Inputs:
         self.q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]  # ModelOpt's b_seq_len
         self.k_dummy = torch.empty(0, s.hkv, s.head_dim, device=device, dtype=dtype)  # ModelOpt: GQA ratio only
         self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None
+        if REAL_INPUTS is not None:  # captured attention (benchmarks/attention_inputs.py), tiled to this shape
+            self._fill_real(REAL_INPUTS)
+            return
 
         d = s.head_dim
         n_freq = max(1, min(16, d // 8))
@@ -233,6 +236,30 @@ class Inputs:
                 self.q[b * s.q_len + p0 : b * s.q_len + p1] = q.to(dtype)
         # SDPA view of the queries: [B, Hq, q_len, D] (no copy).
         self.q_sdpa = self.q.view(s.batch, s.q_len, s.hq, d).transpose(1, 2)
+        _note_program_share(self)
+
+    def _fill_real(self, real) -> None:
+        """Every sequence holds the capture tiled to the shape (`attention_inputs.tile_to_shape`: real heads, the
+        prefix of the capture or its repetition, head dims zero-padded) and its softmax scale; queries are the
+        last q_len positions."""
+        s = self.shape
+        q, k, v, self.scale = _sibling("attention_inputs").tile_to_shape(real, s.hq, s.hkv, s.head_dim, s.kv_len,
+                                                             dtype=self.q.dtype)
+        q, k, v = (x.to(self.q.device) for x in (q, k, v))
+        n_full, pg = s.kv_len // s.page_size, s.page_size
+        for b in range(s.batch):
+            self.k_dense[b] = k.permute(1, 0, 2)
+            self.v_dense[b] = v.permute(1, 0, 2)
+            pages = self.block_table[b].long()
+            if n_full:
+                self.k_cache[pages[:n_full]] = k[: n_full * pg].reshape(n_full, pg, s.hkv, s.head_dim)
+                self.v_cache[pages[:n_full]] = v[: n_full * pg].reshape(n_full, pg, s.hkv, s.head_dim)
+            if s.kv_len > n_full * pg:
+                self.k_cache[pages[n_full], : s.kv_len - n_full * pg] = k[n_full * pg :]
+                self.v_cache[pages[n_full], : s.kv_len - n_full * pg] = v[n_full * pg :]
+            self.q[b * s.q_len : (b + 1) * s.q_len] = q[s.kv_len - s.q_len :]
+        self.q_sdpa = self.q.view(s.batch, s.q_len, s.hq, s.head_dim).transpose(1, 2)
+        _note_program_share(self)
 
     def expanded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V repeated to Hq heads, built once (for SDPA backends without native GQA)."""
@@ -259,6 +286,45 @@ def case_bytes(shape: Shape, dtype: torch.dtype) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------
 # Kernels under test
 # ----------------------------------------------------------------------------------------------------
+# Real inputs: the capture the benchmark runs on (None: --synthetic); set by main.
+REAL_INPUTS = None
+# Per shape label: the share of (program, tile) pairs its programs can skip, as a function of λ (coherence.py).
+PROGRAM_SHARES: dict = {}
+
+
+def prefill_program_rows(head_dim: int) -> int:
+    """Rows of a prefill program: the Triton kernel's default launch (64 rows for D <= 64, 128 above)."""
+    return 128 if head_dim > 64 else 64
+
+
+def _sibling(name: str):
+    """A module of this folder (on sys.path when run as a script; loaded from its file when imported by path)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def _note_program_share(inp: Inputs) -> None:
+    """Measure, once per shape (its first input copy), which (program, key tile) pairs are skippable at any λ:
+    prefill programs are blocks of `prefill_program_rows` rows of one query head, decode programs a KV head's GQA
+    group; the bound column uses this share, not the row-tile sparsity."""
+    s = inp.shape
+    if s.label in PROGRAM_SHARES:
+        return
+    coherence = _sibling("coherence")
+    q = inp.q[: s.q_len]  # sequence 0 (every sequence holds the same kind of data)
+    k = inp.k_dense[0].permute(1, 0, 2)
+    PROGRAM_SHARES[s.label] = coherence.ProgramShare(q, k, inp.scale, s.phase, prefill_program_rows(s.head_dim),
+                                                     rows=False)
+
+
 _OURS = None
 
 
@@ -631,125 +697,156 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------------
 # One shape
 # ----------------------------------------------------------------------------------------------------
-def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, log, flush=None) -> list[dict]:
-    """All measurements of one shape; `flush(records)` is called as they come, so a kill keeps them."""
-    device = args.device
-    recs: list[dict] = []
-    base = {"shape": shape.label, **asdict(shape), "dtype": args.dtype}
+class _ShapeRun:
+    """One shape's measurements in progress: its records, input copies, dense reference and time budget."""
 
-    def rec(variant: str, impl: str, **kw) -> dict:
-        r = {**base, "variant": variant, "impl": impl, "lam": None, "target": None, "sparsity": None, "ms": None,
-             "ms_min": None, "ms_p90": None, "iters": None, "err_vs_dense": None, "check": "", "error": "", **kw}
-        recs.append(r)
+    def __init__(self, shape: Shape, args, dtype, deadline: float, log, flush):
+        self.shape, self.args, self.dtype, self.device = shape, args, dtype, args.device
+        self.deadline, self.log, self.flush = deadline, log, flush
+        self.recs: list[dict] = []
+        self.base = {"shape": shape.label, **asdict(shape), "dtype": args.dtype}
+        self.n_copies = 1
+        self.copies: list[Inputs] = []
+        self.ref = None  # the dense SDPA output every check compares with
+
+    def rec(self, variant: str, impl: str, **kw) -> dict:
+        """A new record of this shape (appended), every field present."""
+        r = {**self.base, "variant": variant, "impl": impl, "lam": None, "target": None, "sparsity": None,
+             "ms": None, "ms_min": None, "ms_p90": None, "iters": None, "err_vs_dense": None, "check": "",
+             "error": "", **kw}  # fmt: skip
+        self.recs.append(r)
         return r
 
-    copy_bytes, kv_bytes = case_bytes(shape, dtype)
-    n_copies = 1
+    def in_budget(self) -> bool:
+        return time.perf_counter() < self.deadline
+
+    def flush_records(self) -> None:
+        if self.flush:
+            self.flush(self.recs)
+
+
+def _make_copies(run: _ShapeRun) -> bool:
+    """Build the input copies (on CUDA enough to defeat the L2 cache, as many as memory allows); False, with the
+    reason recorded, when not even one fits."""
+    shape, args, device = run.shape, run.args, run.device
+    copy_bytes, kv_bytes = case_bytes(shape, run.dtype)
     if device == "cuda":
-        n_copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / kv_bytes)))
+        run.n_copies = max(1, min(args.max_copies, math.ceil(4 * L2_BYTES / kv_bytes)))
         free, _ = torch.cuda.mem_get_info()
         usable = int(0.6 * free) - 4 * copy_bytes // 3  # leave room for outputs and comparisons
-        while n_copies > 1 and n_copies * copy_bytes > usable:
-            n_copies -= 1
+        while run.n_copies > 1 and run.n_copies * copy_bytes > usable:
+            run.n_copies -= 1
         if copy_bytes > usable:
-            rec("all", "-", error=f"skipped: needs ~{copy_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
-            return recs
+            run.rec("all", "-", error=f"skipped: needs ~{copy_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+            return False
     t_setup = time.perf_counter()
-    copies = [Inputs(shape, dtype, device, seed=args.seed + 1000 * c) for c in range(n_copies)]
+    run.copies = [Inputs(shape, run.dtype, device, seed=args.seed + 1000 * c) for c in range(run.n_copies)]
     _sync(device)
-    log(f"  inputs: {n_copies} cop{'y' if n_copies == 1 else 'ies'} x {copy_bytes / 2**20:.0f} MiB "
-        f"({time.perf_counter() - t_setup:.1f} s)")
-    inp0 = copies[0]
-    backend = args.backend
+    run.log(f"  inputs: {run.n_copies} cop{'y' if run.n_copies == 1 else 'ies'} x {copy_bytes / 2**20:.0f} MiB "
+            f"({time.perf_counter() - t_setup:.1f} s)")  # fmt: skip
+    return True
 
-    # Reference dense output (SDPA) and which SDPA backends work on this shape.
+
+def _try_sdpa_backend(run: _ShapeRun, label: str, be) -> tuple[str, str | None]:
+    """Run one SDPA backend with native GQA, else with expanded K/V (where memory allows): ("", gqa mode) when it
+    ran (the first that runs becomes the reference, the others are checked against it), else (why, None)."""
+    inp0, err = run.copies[0], ""
+    for gqa in ("native", "expand"):
+        if gqa == "expand" and run.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            need = 2 * (run.shape.hq // run.shape.hkv) * inp0.k_dense.numel() * inp0.k_dense.element_size()
+            need *= run.n_copies
+            if need > 0.3 * free:
+                err += f"; expanded K/V would need {need / 2**30:.1f} GiB"
+                continue
+        try:
+            o = inp0.sdpa_out_as_ours(sdpa(inp0, be, gqa))
+            _sync(run.device)
+        except Exception as exc:
+            err = f"{gqa}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            continue
+        if run.ref is None:
+            run.ref = o
+            run.rec(label, "sdpa", check=f"reference (gqa={gqa})")
+        else:
+            e, ok = compare(o, run.ref, run.dtype)
+            run.rec(label, "sdpa", err_vs_dense=e, check=("ok" if ok else "MISMATCH") + f" (gqa={gqa})")
+        del o
+        return "", gqa
+    return err, None
+
+
+def _sdpa_reference(run: _ShapeRun) -> list[tuple[str, object, str]]:
+    """The SDPA backends that run on this shape, as (label, backend, gqa mode); sets `run.ref` from the first. The
+    fallback backends are tried only when none of the usual ones ran on CUDA."""
     sdpa_ok: list[tuple[str, object, str]] = []
-    ref = None
-    candidates = sdpa_backends(device)
-    fallback_added = device != "cuda"
+    candidates = sdpa_backends(run.device)
+    fallback_added = run.device != "cuda"
     while candidates:
         label, be = candidates.pop(0)
-        err = ""
-        for gqa in ("native", "expand"):
-            if gqa == "expand" and device == "cuda":
-                free, _ = torch.cuda.mem_get_info()
-                need = 2 * (shape.hq // shape.hkv) * inp0.k_dense.numel() * inp0.k_dense.element_size() * n_copies
-                if need > 0.3 * free:
-                    err += f"; expanded K/V would need {need / 2**30:.1f} GiB"
-                    continue
-            try:
-                o = inp0.sdpa_out_as_ours(sdpa(inp0, be, gqa))
-                _sync(device)
-            except Exception as exc:
-                err = f"{gqa}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-                continue
-            if ref is None:
-                ref = o
-                sdpa_ok.append((label, be, gqa))
-                rec(label, "sdpa", check=f"reference (gqa={gqa})")
-            else:
-                e, ok = compare(o, ref, dtype)
-                sdpa_ok.append((label, be, gqa))
-                rec(label, "sdpa", err_vs_dense=e, check=("ok" if ok else "MISMATCH") + f" (gqa={gqa})")
-            del o
-            break
+        err, gqa = _try_sdpa_backend(run, label, be)
+        if gqa is not None:
+            sdpa_ok.append((label, be, gqa))
         else:
-            rec(label, "sdpa", error=f"unavailable: {err}")
-        if not candidates and ref is None and not fallback_added:
-            candidates, fallback_added = sdpa_backends(device, fallback=True), True
-    if ref is None:
-        for r in recs:
-            r["error"] = r["error"] or "no SDPA backend ran"
-        return recs
+            run.rec(label, "sdpa", error=f"unavailable: {err}")
+        if not candidates and run.ref is None and not fallback_added:
+            candidates, fallback_added = sdpa_backends(run.device, fallback=True), True
+    return sdpa_ok
 
-    # Our dense output check.
+
+def _ours_dense_check(run: _ShapeRun) -> tuple[float | None, str]:
+    """(error, verdict) of our dense output against the SDPA reference."""
     try:
-        o = ours(inp0, None, backend)
-        e_dense, ok = compare(o, ref, dtype)
+        o = ours(run.copies[0], None, run.args.backend)
+        e_dense, ok = compare(o, run.ref, run.dtype)
         del o
-        dense_check = "ok" if ok else "MISMATCH"
+        return e_dense, "ok" if ok else "MISMATCH"
     except Exception as exc:
-        e_dense, dense_check = None, f"ERROR {type(exc).__name__}: {str(exc)[:200]}"
-        log(traceback.format_exc())
+        run.log(traceback.format_exc())
+        return None, f"ERROR {type(exc).__name__}: {str(exc)[:200]}"
 
-    # λ search.
+
+def _lambda_cases(run: _ShapeRun) -> tuple[list[tuple], str]:
+    """(variant, λ, target) cases: dense, a tiny λ (skipping on, nothing skipped), and one λ per target sparsity
+    found by the λ search (with the search's method)."""
     lam_info, method = {}, ""
-    if args.sparsities:
+    if run.args.sparsities:
         try:
             t0 = time.perf_counter()
-            lam_info, method = find_lambdas(inp0, args.sparsities, backend)
-            log(f"  λ search ({method}, {time.perf_counter() - t0:.1f} s): "
-                + ", ".join(f"s={t:.2f}: λ={lam:.3g} (pred {sp:.3f})" for t, (lam, sp) in lam_info.items()))
+            lam_info, method = find_lambdas(run.copies[0], run.args.sparsities, run.args.backend)
+            run.log(f"  λ search ({method}, {time.perf_counter() - t0:.1f} s): "
+                    + ", ".join(f"s={t:.2f}: λ={lam:.3g} (pred {sp:.3f})" for t, (lam, sp) in lam_info.items()))
         except Exception as exc:
-            log(f"  λ search failed: {type(exc).__name__}: {exc}")
-            log(traceback.format_exc())
+            run.log(f"  λ search failed: {type(exc).__name__}: {exc}")
+            run.log(traceback.format_exc())
     cases = [("ours_dense", None, None), ("ours_tiny", TINY_LAMBDA, 0.0)]
-    ours_snaps: list = []  # compiled-variant counts after each λ case
-    mo_snaps: list = []
     cases += [(f"ours_s{round(100 * t)}", lam, t) for t, (lam, _) in lam_info.items()]
+    return cases, method
 
-    def check_deadline() -> bool:
-        return time.perf_counter() < deadline
 
-    # SDPA timings.
+def _time_sdpa(run: _ShapeRun, sdpa_ok: list[tuple[str, object, str]]) -> None:
+    """Time each SDPA backend that ran, into its record."""
+    copies = run.copies
     for label, be, gqa in sdpa_ok:
-        r = next(r for r in recs if r["variant"] == label)
-        if not check_deadline():
+        r = next(r for r in run.recs if r["variant"] == label)
+        if not run.in_budget():
             r["error"] = "skipped: time budget"
             continue
         try:
-            r.update(time_fn(lambda i, be=be, gqa=gqa: sdpa(copies[i], be, gqa), n_copies, device, args))
+            r.update(time_fn(lambda i, be=be, gqa=gqa: sdpa(copies[i], be, gqa), run.n_copies, run.device, run.args))
         except Exception as exc:
             r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
-    if flush:
-        flush(recs)
-    # Ours.
+
+def _time_ours(run: _ShapeRun, cases: list[tuple], e_dense, dense_check: str) -> list:
+    """Check and time our kernel at each λ case; the compiled-variant counts after each λ case (Triton)."""
+    shape, device, backend, copies, inp0 = run.shape, run.device, run.args.backend, run.copies, run.copies[0]
+    ours_snaps: list = []  # compiled-variant counts after each λ case
     for variant, lam, target in cases:
-        r = rec(variant, "ours", lam=lam, target=target)
+        r = run.rec(variant, "ours", lam=lam, target=target)
         if variant == "ours_dense":
             r["err_vs_dense"], r["check"] = e_dense, dense_check
-        if not check_deadline():
+        if not run.in_budget():
             r["error"] = "skipped: time budget"
             continue
         try:
@@ -758,52 +855,59 @@ def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, 
                 lam_t = torch.full((shape.batch,), lam, dtype=torch.float32, device=device)
                 o, counts = ours(inp0, lam_t, backend, return_skip_counts=True)
                 r["sparsity"] = _sparsity(counts)[0]
-                r["err_vs_dense"] = max_abs_diff(o, ref)
+                r["err_vs_dense"] = max_abs_diff(o, run.ref)
                 del o
             else:
                 r["sparsity"] = 0.0
-            run = ours_launch(inp0, lam_t, backend)
-            r.update(time_fn(lambda i, run=run: run(copies[i]), n_copies, device, args))
+            launch = ours_launch(inp0, lam_t, backend)
+            r.update(time_fn(lambda i, launch=launch: launch(copies[i]), run.n_copies, device, run.args))
             if lam is not None and backend == "triton":
                 ours_snaps.append(count_triton_variants(our_triton_module()))
         except Exception as exc:
             r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            log(traceback.format_exc())
+            run.log(traceback.format_exc())
+    return ours_snaps
 
-    if flush:
-        flush(recs)
-    # ModelOpt at the same λ.
-    if mo.available:
-        for variant, lam, target in cases:
-            r = rec(variant.replace("ours", "modelopt"), "modelopt", lam=lam, target=target)
-            if not check_deadline():
-                r["error"] = "skipped: time budget"
-                continue
-            try:
-                mo_lam = None if lam is None else float(lam)
-                o = mo(inp0, mo_lam, measure=args.modelopt_measure and lam is not None)
-                _sync(device)
-                r["err_vs_dense"], ok = compare(o, ref, dtype)
-                if lam is None:
-                    r["check"] = "ok" if ok else "MISMATCH"
-                    r["sparsity"] = 0.0
-                elif hasattr(o, "_sparsity_total") and o._sparsity_total:
-                    # ModelOpt's own count (fixed 128x128 measurement tiles, not the timed config's tiles).
-                    r["sparsity"] = o._sparsity_skipped / o._sparsity_total
-                    r["check"] = "sparsity: ModelOpt 128x128 measure tiles"
-                del o
-                r.update(time_fn(lambda i, mo_lam=mo_lam: mo(copies[i], mo_lam), n_copies, device, args))
-                if lam is not None:
-                    mo_snaps.append(count_triton_variants(mo.module))
-            except Exception as exc:
-                r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                log(traceback.format_exc())
-            if flush:
-                flush(recs)
+
+def _time_modelopt(run: _ShapeRun, mo: ModelOptBaseline, cases: list[tuple]) -> list:
+    """Check and time ModelOpt's kernel at the same λ cases; its compiled-variant counts after each λ case."""
+    copies, inp0 = run.copies, run.copies[0]
+    mo_snaps: list = []
+    for variant, lam, target in cases:
+        r = run.rec(variant.replace("ours", "modelopt"), "modelopt", lam=lam, target=target)
+        if not run.in_budget():
+            r["error"] = "skipped: time budget"
+            continue
+        try:
+            mo_lam = None if lam is None else float(lam)
+            o = mo(inp0, mo_lam, measure=run.args.modelopt_measure and lam is not None)
+            _sync(run.device)
+            r["err_vs_dense"], ok = compare(o, run.ref, run.dtype)
+            if lam is None:
+                r["check"] = "ok" if ok else "MISMATCH"
+                r["sparsity"] = 0.0
+            elif hasattr(o, "_sparsity_total") and o._sparsity_total:
+                # ModelOpt's own count (fixed 128x128 measurement tiles, not the timed config's tiles).
+                r["sparsity"] = o._sparsity_skipped / o._sparsity_total
+                r["check"] = "sparsity: ModelOpt 128x128 measure tiles"
+            del o
+            r.update(time_fn(lambda i, mo_lam=mo_lam: mo(copies[i], mo_lam), run.n_copies, run.device, run.args))
+            if lam is not None:
+                mo_snaps.append(count_triton_variants(mo.module))
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            run.log(traceback.format_exc())
+        run.flush_records()
+    return mo_snaps
+
+
+def _annotate(recs: list[dict], method: str, n_copies: int, ours_snaps: list, mo_snaps: list) -> None:
+    """What every record of the shape shares: the λ method, the copies, and the compiled Triton variants added
+    while λ took new values (after the first λ case has compiled everything)."""
     for r in recs:
         r["lam_method"] = method
         r["copies"] = n_copies
-    # Compiled Triton variants added while λ took new values (after the first λ case has compiled everything).
+
     def added(snaps: list) -> int | None:
         return snaps[-1] - snaps[0] if len(snaps) >= 2 and None not in snaps else None
 
@@ -814,9 +918,35 @@ def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, 
     }
     for r in recs:
         r.update(note)
-    copies.clear()
-    inp0 = ref = None
-    if device == "cuda":
+
+
+def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, log, flush=None) -> list[dict]:
+    """All measurements of one shape; `flush(records)` is called as they come, so a kill keeps them.
+
+    In order: the input copies, the dense SDPA reference (and which SDPA backends run), our dense check, the λ
+    search, then timings of SDPA, ours and ModelOpt at each λ case, until the `deadline` (later ones are recorded
+    as skipped).
+    """
+    run = _ShapeRun(shape, args, dtype, deadline, log, flush)
+    if not _make_copies(run):
+        return run.recs
+    sdpa_ok = _sdpa_reference(run)
+    if run.ref is None:
+        for r in run.recs:
+            r["error"] = r["error"] or "no SDPA backend ran"
+        return run.recs
+    e_dense, dense_check = _ours_dense_check(run)
+    cases, method = _lambda_cases(run)
+    _time_sdpa(run, sdpa_ok)
+    run.flush_records()
+    ours_snaps = _time_ours(run, cases, e_dense, dense_check)
+    run.flush_records()
+    mo_snaps = _time_modelopt(run, mo, cases) if mo.available else []
+    _annotate(run.recs, method, run.n_copies, ours_snaps, mo_snaps)
+    recs = run.recs
+    run.copies.clear()
+    run.ref = None
+    if args.device == "cuda":
         torch.cuda.empty_cache()
     return recs
 
@@ -824,6 +954,19 @@ def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, 
 # ----------------------------------------------------------------------------------------------------
 # Summary
 # ----------------------------------------------------------------------------------------------------
+def _program_share(shape_label: str, lam) -> float | None:
+    """Share of (program, key tile) pairs the shape's programs can skip at λ (None when not measured)."""
+    share = PROGRAM_SHARES.get(shape_label)
+    return None if share is None else share.share(lam)
+
+
+def _bound(shape_label: str, lam, sparsity) -> float | None:
+    """Ideal exp + P·V bound 2/(2 − s) with s the skippable program share (row sparsity if it was not measured)."""
+    s = _program_share(shape_label, lam)
+    s = sparsity if s is None else s
+    return 2.0 / (2.0 - s) if s is not None else None
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (shape, λ case): our time vs our dense, SDPA dense and ModelOpt at the same λ."""
     rows = []
@@ -864,7 +1007,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 "speedup_vs_own_dense": own_dense / ms if ms and own_dense else None,
                 "speedup_vs_sdpa": best["ms"] / ms if ms and best else None,
                 "speedup_vs_modelopt": mo_r["ms"] / ms if ms and mo_r.get("ms") else None,
-                "bound": 2.0 / (2.0 - s) if s is not None else None,
+                "program_share": _program_share(sh, r["lam"]),
+                "bound": _bound(sh, r["lam"], s),
                 "check": r["check"],
                 "error": r["error"] or mo_r.get("error", ""),
             })
@@ -892,7 +1036,8 @@ def variant_lines(records: list[dict]) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'shape':<44} {'dt':<5} {'case':<6} {'λ':>9} {'s':>6} {'ours ms':>9} {'dense ms':>9} "
-            f"{'SDPA ms':>9} {'MO ms':>9} {'MO s':>6} {'x own':>6} {'x SDPA':>6} {'x MO':>6} {'2/(2-s)':>7}  note")
+            f"{'SDPA ms':>9} {'MO ms':>9} {'MO s':>6} {'x own':>6} {'x SDPA':>6} {'x MO':>6} {'prog s':>6} "
+            f"{'2/(2-s)':>7}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
         note = r["error"] or r["check"]
@@ -901,7 +1046,8 @@ def format_table(rows: list[dict]) -> str:
             f"{_f(r['ours_ms'], '9.3f')} {_f(r['ours_dense_ms'], '9.3f')} {_f(r['sdpa_ms'], '9.3f')} "
             f"{_f(r['modelopt_ms'], '9.3f')} {_f(r['modelopt_sparsity'], '6.3f')} "
             f"{_f(r['speedup_vs_own_dense'], '6.2f')} {_f(r['speedup_vs_sdpa'], '6.2f')} "
-            f"{_f(r['speedup_vs_modelopt'], '6.2f')} {_f(r['bound'], '7.2f')}  {note}"
+            f"{_f(r['speedup_vs_modelopt'], '6.2f')} {_f(r.get('program_share'), '6.3f')} "
+            f"{_f(r['bound'], '7.2f')}  {note}"
         )
     return "\n".join(lines)
 
@@ -976,6 +1122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-seconds", type=float, default=None, help="timed seconds per variant (sets iters)")
     p.add_argument("--max-copies", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inputs", default=None, help="captured attention inputs (benchmarks/attention_inputs.py; "
+                   "default: the capture in .cache/attention_inputs/)")
+    p.add_argument("--synthetic", action="store_true", help="the synthetic structured inputs instead of a capture")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False (use --device cpu)")
@@ -1015,6 +1164,21 @@ def main(argv=None) -> int:
     if args.device == "cuda" and mo.available:
         log("  (ModelOpt: one scalar λ per launch, compiled in as a constant; decode uses the same kernel, "
             "no split-K with skipping)")
+    if not args.synthetic:
+        attention_inputs = _sibling("attention_inputs")
+        path = args.inputs or attention_inputs.default_inputs_path()
+        if path is None or not Path(path).is_file():
+            print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
+            return 2
+        global REAL_INPUTS
+        REAL_INPUTS = attention_inputs.load_inputs(path)
+        m = REAL_INPUTS.meta
+        meta["inputs"] = {k: v for k, v in m.items()}
+        log(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens, {m['heads']}/{m['kv_heads']} "
+            f"heads, D={m['head_dim']}), tiled to each shape")
+    else:
+        meta["inputs"] = "synthetic"
+        log("inputs: synthetic (sink, salience, recency, noise)")
     shapes = build_shapes(args)
     log(f"shapes: {len(shapes)}; targets: {args.sparsities}; budget: {args.time_budget or 'none'} s")
     records: list[dict] = []
@@ -1055,7 +1219,9 @@ def main(argv=None) -> int:
     log(variant_lines(records))
     log("")
     log("x own: vs our dense (λ=None); x SDPA: vs the fastest dense SDPA backend; x MO: vs ModelOpt 0.47 at the "
-        "same λ; 2/(2-s): ideal bound for skipping exp + P·V at realized tile sparsity s.")
+        "same λ; 2/(2-s): ideal bound for skipping exp + P·V with s the share of (program, key tile) pairs the "
+        "programs can skip (prefill: blocks of 64 rows, 128 for D > 64, of one head; decode: a GQA group), "
+        "measured on the inputs (benchmarks/coherence.py), not the realized row-tile sparsity.")
     if out:
         write_outputs(out, meta, records, rows)
         log(f"results: {out / 'results.json'}")

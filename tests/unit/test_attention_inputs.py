@@ -176,3 +176,50 @@ def test_block_share_is_at_most_the_row_share_and_equal_for_one_row_blocks():
     pool.add(gaps, int(vis.sum()) * hq)
     ll, got = co.bisect(pool, 0.3)
     assert got == pytest.approx(0.3, abs=0.01) and pool.share(ll - 1e-3) <= got
+
+
+def test_program_share_matches_the_direct_count():
+    n, hq, hkv, d = 700, 4, 2, 16
+    q, k, _ = _structured(n, hq, hkv, d, seed=5)
+    scale = d**-0.5
+    for lam in (1e-3, 0.2):
+        direct = co.prefill_program_share(q, k, scale, lam, 64, max_blocks=None)
+        share = co.ProgramShare(q, k, scale, "prefill", 64)
+        assert share.share(lam) == pytest.approx(direct["program"]) and share.row(lam) == pytest.approx(direct["row"])
+        # a GQA group's work item skips a tile only when both heads' rows drop it
+        assert co.ProgramShare(q, k, scale, "prefill", 64, group_heads=True).share(lam) <= share.share(lam) + 1e-12
+        dec = co.ProgramShare(q, k, scale, "decode")
+        want = co.decode_group_share(q[-1], k, scale, lam)
+        assert dec.share(lam) == pytest.approx(want["program"]) and dec.row(lam) == pytest.approx(want["row"])
+    assert co.ProgramShare(q, k, scale, "prefill", 64).share(None) == 0.0
+
+
+def test_bench_kernels_runs_on_a_capture_and_refuses_to_run_without_one(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    bench = [sys.executable, str(REPO / "benchmarks" / "bench_kernels.py"), "--device", "cpu", "--quick",
+             "--modelopt", "off", "--target-seconds", "0.02"]
+    r = subprocess.run(bench + ["--inputs", str(tmp_path / "missing.npz")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "attention_inputs.py capture" in r.stderr, r.stderr[-2000:]
+
+    q, k, v = _structured(600, 4, 2, 16, seed=2)
+    path = ai.save_inputs(tmp_path / "cap.npz", q, k, v, dict(model="test", source="code", layer=0, heads=4,
+                                                               kv_heads=2, head_dim=16, tokens=600,
+                                                               softmax_scale=0.25))
+    out = tmp_path / "bench"
+    r = subprocess.run(bench + ["--inputs", str(path), "--prefill-lens", "512", "--decode-shapes", "2:600",
+                                "--sparsities", "0.5", "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["inputs"]["source"] == "code"
+    rows = [row for row in data["summary"] if row["case"] == "s50"]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0 <= row["program_share"] <= row["sparsity"] + 1e-9
+        assert row["bound"] == pytest.approx(2 / (2 - row["program_share"]))
