@@ -22,10 +22,15 @@ def _env() -> dict:
 
 
 def _load(path: Path, name: str):
+    """Import a benchmark or script file as Python runs it: its own folder first on sys.path (sibling imports)."""
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
     return mod
 
 
