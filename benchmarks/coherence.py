@@ -91,11 +91,17 @@ def row_tile_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, positi
         s.div_(softcap).tanh_().mul_(softcap)
     cols = torch.arange(kv_end, device=q.device)
     s.masked_fill_(cols[None, :] > positions[:, None], -math.inf)
-    tile_max = s.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [Hkv, g, R, nt]
-    ref = torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
-    gap = (tile_max - ref).reshape(hq, rows, n_tiles)
-    tiles = torch.arange(n_tiles, device=q.device)
-    visited = (tiles * TILE_K)[None, :] <= positions[:, None]  # [R, nt]
+    return score_gaps(s.reshape(hq, rows, kv_end), positions)
+
+
+def score_gaps(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`row_tile_gaps` from scaled scores [H, R, K] of rows at `positions` (causally masked with -inf; K a multiple
+    of TILE_K covering the last position): [H, R, n_tiles]."""
+    heads, rows, keys = scores.shape
+    n_tiles = keys // TILE_K
+    tile_max = scores.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [H, R, nt]
+    gap = tile_max - torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
+    visited = (torch.arange(n_tiles, device=scores.device) * TILE_K)[None, :] <= positions[:, None]  # [R, nt]
     gap = torch.where(visited.unsqueeze(0), gap, torch.full_like(gap, -math.inf))
     gap[..., 0] = math.inf
     return gap

@@ -34,81 +34,47 @@ import time
 from pathlib import Path
 
 import torch
+from coherence import block_stat, drops, group_stat, score_gaps, visited_mask
 
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
 logger = logging.getLogger("decision_quality")
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
 RULES = ("row", "block64", "block128", "gqa")
 PROGRAM_ROWS = (64, 128)
-TILES_PER_SPLIT = SPLIT_TOKENS // TILE_K
 
 
 # ------------------------------------------------------------------------------------------------- the decisions
+# A rule is a transformation of the per-row gaps g[t] - m[t] (coherence.py, the contract's statistic): a row-tile is
+# dropped at λ iff its effective gap < ln λ. The block rule gives every row of an aligned block the block's largest
+# gap over its visiting rows (all drop, or none does), the group rule the largest over the GQA group's heads.
 
 
-def tile_statistics(scores: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, visited) for scores [H, Q, K] (causally masked with -inf) of rows at absolute `positions` [Q]: g[h, q, t]
-    is the max of tile t's visible scores, visited[q, t] whether row q visits tile t (t <= pos // TILE_K)."""
-    heads, rows, keys = scores.shape
-    tiles = math.ceil(keys / TILE_K)
-    padded = torch.nn.functional.pad(scores, (0, tiles * TILE_K - keys), value=-math.inf)
-    g = padded.view(heads, rows, tiles, TILE_K).amax(-1)
-    visited = torch.arange(tiles)[None, :] <= (positions // TILE_K)[:, None]
-    return g, visited
+def effective_gaps(rule: str, gaps: torch.Tensor, group: int) -> torch.Tensor:
+    """Gaps [H, N, nt] of a prompt's rows 0..N-1 as the rule decides with them (same shape)."""
+    if rule == "row":
+        return gaps
+    if rule == "gqa":
+        return group_stat(gaps, group).repeat_interleave(group, dim=0)
+    rows = int(rule[len("block"):])
+    stat, _ = block_stat(gaps, rows)
+    visited = visited_mask(gaps.shape[1], gaps.shape[2])
+    blocked = stat.repeat_interleave(rows, dim=1)[:, : gaps.shape[1]]
+    return torch.where(visited, blocked, gaps)  # unvisited stays -inf, tile 0 +inf
 
 
-def row_drops(g: torch.Tensor, visited: torch.Tensor, ln_lambda: float) -> torch.Tensor:
-    """Contract version 2's per-row decisions [H, Q, T]: drop t > 0 when g[t] - m[t] < ln λ, m[t] the max of tile 0
-    and of the earlier tiles of t's split."""
-    heads, rows, tiles = g.shape
-    splits = math.ceil(tiles / TILES_PER_SPLIT)
-    gs = torch.nn.functional.pad(g, (0, splits * TILES_PER_SPLIT - tiles), value=-math.inf)
-    gs = gs.view(heads, rows, splits, TILES_PER_SPLIT)
-    running = torch.cummax(gs, dim=-1).values
-    before = torch.cat([torch.full_like(running[..., :1], -math.inf), running[..., :-1]], dim=-1)
-    m = torch.maximum(before.reshape(heads, rows, -1)[..., :tiles], g[..., :1])
-    drop = (g - m) < ln_lambda
-    drop[..., 0] = False
-    return drop & visited
-
-
-def block_decisions(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int):
-    """Aligned blocks of `rows` prompt rows (absolute position // rows): (block_drop [H, blocks, T], block_visits
-    [blocks, T], block of each row [Q]). A block drops a tile it visits iff every row of it that visits the tile
-    drops it (AND)."""
-    ids, inverse = torch.unique(positions // rows, return_inverse=True)
-    keep = ((~drop) & visited).to(torch.int32)  # a visiting row that keeps the tile vetoes it for its block
-    veto = torch.zeros(drop.shape[0], len(ids), drop.shape[2], dtype=torch.int32).index_add_(1, inverse, keep)
-    visits = torch.zeros(len(ids), drop.shape[2], dtype=torch.int32).index_add_(0, inverse, visited.to(torch.int32))
-    return (veto == 0) & (visits > 0)[None], visits > 0, inverse
-
-
-def block_and(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
-    """Per-row drops turned into aligned-block decisions, per row [H, Q, T]."""
-    block_drop, _, inverse = block_decisions(drop, visited, positions, rows)
-    return block_drop[:, inverse] & visited
-
-
-def gqa_and(drop: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-row drops turned into GQA-group decisions: all `group` query heads of a KV head drop, or none does."""
-    heads, rows, tiles = drop.shape
-    together = drop.view(heads // group, group, rows, tiles).all(1, keepdim=True)
-    return together.expand(-1, group, -1, -1).reshape(heads, rows, tiles)
-
-
-def program_share(drop: torch.Tensor, visited: torch.Tensor, positions: torch.Tensor, rows: int) -> tuple[int, int]:
-    """(skippable, visited) (program, tile) pairs for programs of `rows` aligned prompt rows of one head."""
-    block_drop, visits, _ = block_decisions(drop, visited, positions, rows)
-    return int(block_drop.sum()), int(visits.sum()) * drop.shape[0]
-
-
-def group_share(drop: torch.Tensor, visited: torch.Tensor, group: int) -> tuple[int, int]:
-    """(skippable, visited) (row, KV head, tile) triples for decode programs holding one GQA group."""
-    heads = drop.shape[0]
-    all_drop = drop.view(heads // group, group, *drop.shape[1:]).all(1)
-    return int(all_drop.sum()), int(visited.sum()) * (heads // group)
+def skipped_shares(gaps: torch.Tensor, ln_lambda: float, group: int) -> dict[str, tuple[int, int]]:
+    """(skipped, visited) of rows ("row"), of prefill programs of R rows ("progR") and of decode programs holding a
+    GQA group ("gqa"), for effective gaps at ln λ."""
+    heads, rows, tiles = gaps.shape
+    visited = int(visited_mask(rows, tiles).sum())
+    out = {"row": (int(drops(gaps, ln_lambda).sum()), visited * heads),
+           "gqa": (int(drops(group_stat(gaps, group), ln_lambda).sum()), visited * (heads // group))}
+    for r in PROGRAM_ROWS:
+        stat, needed = block_stat(gaps, r)
+        out[f"prog{r}"] = (int(((stat < ln_lambda) & needed).sum()), int(needed.sum()) * heads)
+    return out
 
 
 # ----------------------------------------------------------------------------------------- the model's attention
@@ -140,25 +106,22 @@ def decided_attention(recorder: Recorder, q, k, v, scale: float) -> torch.Tensor
     keys = k.shape[1]
     k = k.repeat_interleave(heads // k.shape[0], dim=0)
     v = v.repeat_interleave(heads // v.shape[0], dim=0)
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-    positions = torch.arange(keys - rows, keys)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the contract's score precision
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(1, 2)) * scale
+    if rows != keys:
+        raise ValueError("decision_quality runs whole prompts (teacher-forced): no cached prefix, no decode step")
+    positions = torch.arange(rows)
     causal = torch.arange(keys)[None, :] > positions[:, None]
     scores.masked_fill_(causal[None], -math.inf)
     if recorder.rule != "dense":
-        g, visited = tile_statistics(scores, positions)
-        drop = row_drops(g, visited, recorder.ln_lambda)
-        if recorder.rule.startswith("block"):
-            drop = block_and(drop, visited, positions, int(recorder.rule[len("block"):]))
-        elif recorder.rule == "gqa":
-            drop = gqa_and(drop, recorder.group)
-        recorder.add("row", int(drop.sum()), int(visited.sum()) * heads)
-        recorder.add("gqa", *group_share(drop, visited, recorder.group))
-        for r in PROGRAM_ROWS:
-            recorder.add(f"prog{r}", *program_share(drop, visited, positions, r))
-        key_drop = drop.repeat_interleave(TILE_K, dim=-1)[..., :keys]
+        padded = torch.nn.functional.pad(scores, (0, -keys % TILE_K), value=-math.inf)
+        gaps = effective_gaps(recorder.rule, score_gaps(padded, positions), recorder.group)
+        for name, (skipped, visited) in skipped_shares(gaps, recorder.ln_lambda, recorder.group).items():
+            recorder.add(name, skipped, visited)
+        key_drop = drops(gaps, recorder.ln_lambda).repeat_interleave(TILE_K, dim=-1)[..., :keys]
         scores.masked_fill_(key_drop, -math.inf)
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
 
 
 def register(recorder: Recorder) -> str:
