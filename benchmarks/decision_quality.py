@@ -178,7 +178,7 @@ def run(args) -> dict:
     config = AutoConfig.from_pretrained(args.model)
     group = config.num_attention_heads // config.num_key_value_heads
     recorder = Recorder(group)
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.set_attn_implementation(register(recorder))
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -215,12 +215,24 @@ def interpolate(rows: list[dict], rule: str, share_key: str, share: float) -> fl
     return None
 
 
-def table(results: dict, shares=(0.3, 0.4, 0.5, 0.6)) -> str:
+def merged(paths: list[Path]) -> dict:
+    """Several runs' results.json as one (rows of the same text joined): sweeps extended by later runs."""
+    out: dict = {"docs": {}}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for name, doc in data["docs"].items():
+            out["docs"].setdefault(name, {**doc, "rows": []})["rows"].extend(doc["rows"])
+    return out
+
+
+def table(results: dict, shares=(0.3, 0.4, 0.5, 0.6, 0.7)) -> str:
     """Perplexity change per rule at equal GPU work: prefill programs of 128 rows, and decode GQA groups."""
     lines = []
     for key, what, rules in (("prog128", "prefill programs of 128 rows", ("row", "block64", "block128")),
                              ("prog64", "prefill programs of 64 rows", ("row", "block64")),
-                             ("gqa", "decode GQA groups", ("row", "gqa"))):
+                             ("gqa", "decode GQA groups", ("row", "gqa")),
+                             ("row", "row-tiles (the contract's count; what the CPU kernel saves in prefill)",
+                              ("row", "block64", "gqa"))):
         lines += [f"\nPerplexity vs dense at equal skipped work of {what}:", "",
                   "| text | rule | " + " | ".join(f"skip {s:.1f}" for s in shares) + " |",
                   "|---|---|" + "---|" * len(shares)]
@@ -248,7 +260,12 @@ def main(argv=None) -> int:
     p.add_argument("--ln-lambdas", default="-14,-11,-9,-7,-5.5,-4,-3")
     p.add_argument("--quick", action="store_true", help="one 1k prose text, three λ")
     p.add_argument("--out", type=Path, default=Path("artifacts/decision_quality"))
+    p.add_argument("--table-from", type=Path, nargs="+", metavar="RESULTS_JSON",
+                   help="print the table of earlier runs (merged) instead of running the model")
     args = p.parse_args(argv)
+    if args.table_from:
+        print(table(merged(args.table_from)))
+        return 0
     if args.quick:
         args.texts, args.ln_lambdas = "prose:1024", "-9,-6,-4"
     args.texts = [(s.split(":")[0], int(s.split(":")[1])) for s in args.texts.split(",")]
