@@ -23,7 +23,8 @@ a phase that times out is killed and the next one still runs, and every phase wr
 5. tune         -> tune.log, tune/tune.json|txt (benchmarks/tune_triton.py: the kernels' launch configurations and
                    skip modes against the default in one run, through the launch path the vLLM plugin uses);
                    tune_d64.log, tune_d64/: the same for D = 64 prefill (its default has not run on a GPU yet)
-6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt
+6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt (on the captured real
+                   attention in .cache/attention_inputs/, which must be carried along: checked before anything runs)
 7. summary      -> summary.txt, summary.json (printed last)
 
 First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an H200"). What a GPU must confirm
@@ -66,6 +67,7 @@ DRY_RUN_PHASE_TIMEOUT = 600.0
 BENCH = REPO / "benchmarks" / "bench_kernels.py"
 GRAPHS = REPO / "benchmarks" / "bench_decode_graphs.py"
 TUNE = REPO / "benchmarks" / "tune_triton.py"
+CAPTURES = REPO / ".cache" / "attention_inputs"  # benchmarks/attention_inputs.py capture: the benchmark's inputs
 
 
 class Runner:
@@ -324,8 +326,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def bench_inputs_problem(bench_args: str, captures: Path = CAPTURES) -> str | None:
+    """Why the benchmark phase would refuse to run (no captured real-attention inputs), before any GPU time."""
+    words = shlex.split(bench_args)
+    if "--synthetic" in words or "--inputs" in words or any(w.startswith("--inputs=") for w in words):
+        return None
+    if any(captures.glob("*.npz")):
+        return None
+    return (f"no captured attention inputs in {captures}: the benchmark runs on real attention. Make them with "
+            "`python benchmarks/attention_inputs.py capture` on a machine with the model and carry the folder "
+            "(e.g. run's carry: .cache/attention_inputs), or pass --bench-args \"--inputs FILE\" / \"--synthetic\"")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = None if args.skip_bench else bench_inputs_problem(args.bench_args)
+    if problem:
+        print(f"gpu_check: {problem}", file=sys.stderr)
+        return 2
     with contextlib.suppress(Exception):  # never die on a non-UTF-8 console
         sys.stdout.reconfigure(encoding="utf-8", errors="replace")
     out = Path(args.out).resolve()

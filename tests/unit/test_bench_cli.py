@@ -82,6 +82,25 @@ def test_bench_shapes_and_args():
     assert inp.q.abs().sum() > 0 and inp.v_dense.std() > 0.5
 
 
+def test_gpu_check_refuses_to_start_without_real_attention_inputs(tmp_path):
+    """The benchmark runs on captured real attention: without a capture (and no --inputs / --synthetic) the GPU
+    check stops before anything runs, exit status 2, naming the capture command and what to carry."""
+    check = _load(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
+    empty = tmp_path / "captures"
+    empty.mkdir()
+    problem = check.bench_inputs_problem("", empty)
+    assert "attention_inputs.py capture" in problem and ".cache/attention_inputs" in problem
+    assert check.bench_inputs_problem("--synthetic", empty) is None
+    assert check.bench_inputs_problem("--inputs x.npz --quick", empty) is None
+    (empty / "SmolLM2_code_L11_8192.npz").write_bytes(b"not read here")
+    assert check.bench_inputs_problem("", empty) is None
+    if not any(check.CAPTURES.glob("*.npz")):  # as a user without a capture runs it
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path / "o")],
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 2 and "no captured attention inputs" in proc.stderr, proc.stderr
+        assert not (tmp_path / "o").exists()
+
+
 def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
     """The dry run checks the script's wiring (every phase's command, log and summary line), not speed: --budget
     does not apply there (a small one is passed to show it), each phase gets DRY_RUN_PHASE_TIMEOUT, so a loaded
