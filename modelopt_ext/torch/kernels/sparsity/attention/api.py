@@ -87,6 +87,38 @@ def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> st
     return backend
 
 
+def _checked_prompt_lens(prompt_lens, batch: int, cu_seqlens_q, seq_lens_k, device) -> torch.Tensor:
+    """[B] int32 prompt lengths on the query's device: the caller's, checked, or the kernel's default rule."""
+    if prompt_lens is None:
+        return default_prompt_lens(cu_seqlens_q, seq_lens_k)
+    if prompt_lens.dim() != 1 or prompt_lens.shape[0] != batch:
+        raise ValueError(f"prompt_lens must be [B]=[{batch}], got {tuple(prompt_lens.shape)}")
+    return prompt_lens.to(device=device, dtype=torch.int32)
+
+
+def _checked_softcap(logits_soft_cap: float | None) -> float:
+    """The soft cap as the backends take it (0.0: off); refuses a negative or non-finite cap."""
+    softcap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0 or None: off), got {logits_soft_cap!r}")
+    return softcap
+
+
+def _run_backend(chosen: str, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k, **kwargs):
+    """Run the resolved backend on already normalized arguments; its counts (None when it counts nothing)."""
+    if chosen == "triton":
+        from .triton_kernel import paged_skip_softmax_attention_triton
+
+        return paged_skip_softmax_attention_triton(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k, **kwargs
+        )
+    if chosen == "cpu":
+        from .cpu_kernel import paged_skip_softmax_attention_cpu
+
+        return paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+    return paged_skip_softmax_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+
+
 def paged_skip_softmax_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -149,34 +181,16 @@ def paged_skip_softmax_attention(
         log_scale_factors=log_scale_factors, length_exponents=length_exponents,
         return_skip_counts=return_skip_counts,
     )
-    if prompt_lens is None:
-        prompt_lens = default_prompt_lens(cu_seqlens_q, seq_lens_k)
-    else:
-        if prompt_lens.dim() != 1 or prompt_lens.shape[0] != batch:
-            raise ValueError(f"prompt_lens must be [B]=[{batch}], got {tuple(prompt_lens.shape)}")
-        prompt_lens = prompt_lens.to(device=q.device, dtype=torch.int32)
+    prompt_lens = _checked_prompt_lens(prompt_lens, batch, cu_seqlens_q, seq_lens_k, q.device)
     want_counts = calibrate or return_skip_counts
-    softcap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0 or None: off), got {logits_soft_cap!r}")
+    softcap = _checked_softcap(logits_soft_cap)
 
     chosen = _resolve_backend(backend, q, k_cache)
-    kwargs = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
-                  calibrate=calibrate, out=out, softcap=softcap)
-    if chosen == "triton":
-        from .triton_kernel import paged_skip_softmax_attention_triton
-
-        counts = paged_skip_softmax_attention_triton(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k, **kwargs
-        )
-    elif chosen == "cpu":
-        from .cpu_kernel import paged_skip_softmax_attention_cpu
-
-        counts = paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
-    else:
-        counts = paged_skip_softmax_attention_reference(
-            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs
-        )
+    counts = _run_backend(
+        chosen, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate,
+        out=out, softcap=softcap,
+    )
     return (out, counts) if want_counts else out
 
 

@@ -176,6 +176,71 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
     return out, None if counts is None else counts[0]
 
 
+def _decode_sub_batches(single: list[int], lens: list[int], per_key: int):
+    """(start, stop) slices of `single` (the one-row sequences) run together: each gathers its K padded to its
+    longest sequence, so a slice grows only while that stays within `_MAX_GATHER_ELEMENTS` (at least one each)."""
+    start = 0
+    while start < len(single):
+        longest = 0
+        stop = start
+        while stop < len(single):
+            longest_next = max(longest, _ceil_to(lens[single[stop]], TILE_K))
+            if stop > start and (stop - start + 1) * longest_next * per_key > _MAX_GATHER_ELEMENTS:
+                break
+            longest = longest_next
+            stop += 1
+        yield start, stop
+        start = stop
+
+
+def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
+                           prompt_lens, apply_skip, dtype, softcap, out, counts) -> None:
+    """The one-row (decode) sequences, batched: writes their rows of `out` and, when counting, of `counts`."""
+    batch = seq_lens_k.shape[0]
+    single = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
+    _, _, hkv, d = cache_geometry(k_cache)
+    for start, stop in _decode_sub_batches(single, lens, hkv * d):
+        idx = torch.tensor(single[start:stop], device=q.device)
+        rows = torch.tensor([cu[b] for b in single[start:stop]], device=q.device)
+        kv_lens = seq_lens_k.index_select(0, idx).long()
+        log_lams = None
+        if log_sf is not None:
+            log_lams = row_log_thresholds(
+                log_sf.index_select(0, idx), gamma.index_select(0, idx), prompt_lens.index_select(0, idx),
+                (kv_lens - 1).unsqueeze(1),
+            )[..., 0]
+        o, c = _single_row_batch(
+            q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
+            softmax_scale, log_lams, apply_skip, dtype, softcap,
+        )
+        out.index_copy_(0, rows, o.to(out.dtype))
+        if c is not None:
+            counts.index_copy_(0, idx, c)
+
+
+def _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
+                          prompt_lens, apply_skip, dtype, softcap, out, counts, n_trials) -> None:
+    """The sequences with several query rows (prefill, chunks), one at a time: writes their rows and counts."""
+    for b in range(seq_lens_k.shape[0]):
+        q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
+        if q1 - q0 <= 1:
+            continue
+        kv_pad = _ceil_to(kv_len, TILE_K)
+        k = _gather(k_cache, block_table[b : b + 1], kv_pad, dtype)[0]
+        v = _zero_past(_gather(v_cache, block_table[b : b + 1], kv_pad, dtype), seq_lens_k[b : b + 1].long())[0]
+        log_lams_fn = None
+        if log_sf is not None:
+            def log_lams_fn(positions, b=b):
+                return row_log_thresholds(log_sf[b : b + 1], gamma[b : b + 1], prompt_lens[b : b + 1],
+                                          positions.unsqueeze(0))[0]
+        o, c = _multi_row_sequence(
+            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap
+        )
+        out[q0:q1] = o.to(out.dtype)
+        if c is not None:
+            counts[b] = c
+
+
 def paged_skip_softmax_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -218,55 +283,8 @@ def paged_skip_softmax_attention_reference(
     for b in range(batch):
         if lens[b] < cu[b + 1] - cu[b]:
             raise ValueError(f"sequence {b}: seq_lens_k ({lens[b]}) must include its {cu[b + 1] - cu[b]} new tokens")
-    apply_skip = not calibrate
-
-    single = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
-    _, _, hkv, d = cache_geometry(k_cache)
-    per_key = hkv * d
-    start = 0
-    while start < len(single):  # sub-batches bounded by gathered K size
-        longest = 0
-        stop = start
-        while stop < len(single):
-            longest_next = max(longest, _ceil_to(lens[single[stop]], TILE_K))
-            if stop > start and (stop - start + 1) * longest_next * per_key > _MAX_GATHER_ELEMENTS:
-                break
-            longest = longest_next
-            stop += 1
-        idx = torch.tensor(single[start:stop], device=q.device)
-        rows = torch.tensor([cu[b] for b in single[start:stop]], device=q.device)
-        kv_lens = seq_lens_k.index_select(0, idx).long()
-        log_lams = None
-        if log_sf is not None:
-            log_lams = row_log_thresholds(
-                log_sf.index_select(0, idx), gamma.index_select(0, idx), prompt_lens.index_select(0, idx),
-                (kv_lens - 1).unsqueeze(1),
-            )[..., 0]
-        o, c = _single_row_batch(
-            q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
-            softmax_scale, log_lams, apply_skip, dtype, softcap,
-        )
-        out.index_copy_(0, rows, o.to(out.dtype))
-        if c is not None:
-            counts.index_copy_(0, idx, c)
-        start = stop
-
-    for b in range(batch):
-        q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
-        if q1 - q0 <= 1:
-            continue
-        kv_pad = _ceil_to(kv_len, TILE_K)
-        k = _gather(k_cache, block_table[b : b + 1], kv_pad, dtype)[0]
-        v = _zero_past(_gather(v_cache, block_table[b : b + 1], kv_pad, dtype), seq_lens_k[b : b + 1].long())[0]
-        log_lams_fn = None
-        if log_sf is not None:
-            def log_lams_fn(positions, b=b):
-                return row_log_thresholds(log_sf[b : b + 1], gamma[b : b + 1], prompt_lens[b : b + 1],
-                                          positions.unsqueeze(0))[0]
-        o, c = _multi_row_sequence(
-            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap
-        )
-        out[q0:q1] = o.to(out.dtype)
-        if c is not None:
-            counts[b] = c
+    step = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
+                apply_skip=not calibrate, dtype=dtype, softcap=softcap, out=out, counts=counts)
+    _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, **step)
+    _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, n_trials=n_trials, **step)
     return counts

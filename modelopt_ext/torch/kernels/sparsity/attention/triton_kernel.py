@@ -711,6 +711,42 @@ def paged_skip_softmax_attention_triton(
     )  # fmt: skip
 
 
+def _law_arguments(log_sf, calibrate, counts, batch, device):
+    """(MODE, N_TRIALS, counts, log_sf argument) of a launch: dense without a law (no counts), else serving or
+    calibration with `counts` zeroed on the device (or allocated when the caller keeps no buffer)."""
+    if log_sf is None:
+        return 0, 1, None, torch.empty(batch, 1, 2, dtype=torch.float32, device=device)
+    n_trials = log_sf.shape[1]
+    if counts is None:
+        counts = torch.zeros(batch, n_trials, 2, dtype=torch.int64, device=device)
+    else:
+        counts.zero_()
+    return (2 if calibrate else 1), n_trials, counts, log_sf.contiguous()
+
+
+def _decode_splits(block_table, page, max_seqlen_k) -> int:
+    """Split-K splits of the decode grid, bounded without reading seq_lens_k (so a captured grid fits every replay):
+    from the block table's width, or `max_seqlen_k` when the caller knows a tighter bound."""
+    max_kv = block_table.shape[1] * page
+    if max_seqlen_k is not None:
+        max_kv = min(max_kv, int(max_seqlen_k))
+    return max(1, math.ceil(max_kv / SPLIT_TOKENS))
+
+
+def _decode_workspace(workspace, batch, num_heads, max_splits, block_d, device):
+    """(accumulators, max/sum) fp32 split-K workspace: the caller's persistent one, else allocated for this launch;
+    a placeholder with one split (never read or written then)."""
+    if max_splits <= 1:
+        ws = _placeholder(device, torch.float32)
+        return ws, ws
+    if workspace is not None:
+        ws_acc, ws_ml = workspace
+        return ws_acc, ws_ml
+    ws_acc = torch.empty(batch * num_heads * max_splits * block_d, dtype=torch.float32, device=device)
+    ws_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=device)
+    return ws_acc, ws_ml
+
+
 def launch_triton(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
     calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0, config=None,
@@ -737,18 +773,7 @@ def launch_triton(
     group = num_heads // num_kv_heads
     device = q.device
 
-    if log_sf is None:
-        mode, n_trials = 0, 1
-        counts = None
-        log_sf_arg = torch.empty(batch, 1, 2, dtype=torch.float32, device=device)
-    else:
-        mode = 2 if calibrate else 1
-        n_trials = log_sf.shape[1]
-        if counts is None:
-            counts = torch.zeros(batch, n_trials, 2, dtype=torch.int64, device=device)
-        else:
-            counts.zero_()
-        log_sf_arg = log_sf.contiguous()
+    mode, n_trials, counts, log_sf_arg = _law_arguments(log_sf, calibrate, counts, batch, device)
     counts_arg = counts if counts is not None else _placeholder(device, torch.int64)
     if batch == 0 or total_q == 0:
         return counts
@@ -759,47 +784,34 @@ def launch_triton(
     gamma_arg = gamma.to(device=device, dtype=torch.float32).contiguous()
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     block_d = max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
-    trials_p2 = triton.next_power_of_2(n_trials)
-    fp32_dot = q.dtype == torch.float32
     common_strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0))
-    law = (prompts, log_sf_arg, gamma_arg, counts_arg)
+    # The pointer arguments both kernels take first (the law: prompt lengths, log_sf, γ, counts), and the
+    # compile-time constants they share.
+    tensors = (q, k_cache, v_cache, out, bt, cu_q, kv_lens, prompts, log_sf_arg, gamma_arg, counts_arg)
+    shared = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
+        N_TRIALS=n_trials, TRIALS_P2=triton.next_power_of_2(n_trials), MODE=mode, FP32_DOT=q.dtype == torch.float32,
+        SOFTCAP=softcap > 0,
+    )  # fmt: skip
 
     cfg = config if config is not None else default_launch_config(head_dim)
     if not decode_only:
         # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
         block_q = cfg.prefill_block_q
-        grid = (total_q // block_q + batch, num_heads)
-        _prefill_kernel[grid](
-            q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law,
-            float(softmax_scale), float(softcap), batch, *common_strides,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_Q=block_q, BLOCK_K=TILE_K,
-            SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K, N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode,
-            FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, V_SKIP=SKIP_MODES[cfg.prefill_skip],
-            FUSED_ACC=cfg.prefill_fused_acc, SPLIT_CAUSAL=cfg.prefill_split_causal,
-            num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
+        _prefill_kernel[(total_q // block_q + batch, num_heads)](
+            *tensors, float(softmax_scale), float(softcap), batch, *common_strides,
+            BLOCK_Q=block_q, V_SKIP=SKIP_MODES[cfg.prefill_skip], FUSED_ACC=cfg.prefill_fused_acc,
+            SPLIT_CAUSAL=cfg.prefill_split_causal, num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
+            **shared,
         )  # fmt: skip
 
-    # Decode: (sequence, KV head, split); the number of splits is bounded without reading seq_lens_k.
-    max_kv = block_table.shape[1] * page
-    if max_seqlen_k is not None:
-        max_kv = min(max_kv, int(max_seqlen_k))
-    max_splits = max(1, math.ceil(max_kv / SPLIT_TOKENS))
-    if max_splits > 1:
-        if workspace is not None:
-            ws_acc, ws_ml = workspace
-        else:
-            ws_acc = torch.empty(batch * num_heads * max_splits * block_d, dtype=torch.float32, device=device)
-            ws_ml = torch.empty(batch * num_heads * max_splits * 2, dtype=torch.float32, device=device)
-    else:
-        ws_acc = ws_ml = _placeholder(device, torch.float32)  # never read or written with one split
+    # Decode: (sequence, KV head, split).
+    max_splits = _decode_splits(block_table, page, max_seqlen_k)
+    ws_acc, ws_ml = _decode_workspace(workspace, batch, num_heads, max_splits, block_d, device)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, out, bt, cu_q, kv_lens, *law, ws_acc, ws_ml,
-        float(softmax_scale), float(softcap), max_splits, *common_strides,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        NUM_HEADS=num_heads, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
-        N_TRIALS=n_trials, TRIALS_P2=trials_p2, MODE=mode, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0,
-        V_SKIP=SKIP_MODES[cfg.decode_skip], FUSED_ACC=cfg.decode_fused_acc,
-        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        *tensors, ws_acc, ws_ml, float(softmax_scale), float(softcap), max_splits, *common_strides,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_HEADS=num_heads, V_SKIP=SKIP_MODES[cfg.decode_skip],
+        FUSED_ACC=cfg.decode_fused_acc, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, **shared,
     )  # fmt: skip
     if max_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
