@@ -106,44 +106,42 @@ def prefix_agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return sum(fracs) / len(fracs)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("transformers", "modelopt_ext.torch.sparsity.attention_sparsity.calibration.data"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ckpt = Path(args.model)
-    if not (ckpt / "config.json").is_file():
-        print(f"no HF checkpoint at {ckpt}: build it with `make model` or pass its path", file=sys.stderr)
-        return 2
-    s = _settings(args)
-    targets = [float(t) for t in args.targets.split(",")]
+CHUNK = 1024
+"""Prefill chunk of calibration and of the greedy continuations."""
 
+
+def _calibrated_model(ckpt: Path, s: dict, cache_dir):
+    """(model, tokenizer, start time, calibration seconds, exported block): the fp32 checkpoint with every
+    self-attention module sparsified and calibrated once for both phases on the shared prompts (seed 0). The clock
+    starts after the imports, as the benchmark's total time does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
-    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import build_calibration_prompts
 
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa").eval()
-    chunk = 1024
     calib = {
         "target_sparse_ratio": {"prefill": 0.5, "decode": 0.5},
         "samples": s["calib_samples"],
         "max_seqlen": s["calib_max_seqlen"],
         "min_seqlen": min(256, s["calib_max_seqlen"]),
         "num_decode_tokens": 8,
-        "chunk_size": chunk,
+        "chunk_size": CHUNK,
         "seed": 0,
-        "cache_dir": args.cache_dir,
+        "cache_dir": cache_dir,
     }
     config = {"sparse_cfg": {"calibration": calib, "*self_attn*": {"method": "skip_softmax", "backend": "auto"}}}
     model = mtsa.sparsify(model, config, tokenizer=tokenizer)
     calib_s = time.time() - t0
     block = mtsa.export_sparse_attention_config(model)
     logger.info("calibrated in %.0f s: %s", calib_s, json.dumps(block["config_groups"]["group_0"]))
+    return model, tokenizer, t0, calib_s, block
+
+
+def _heldout(tokenizer, s: dict, cache_dir):
+    """(prompts, token ids) of the held-out text: the calibration builder with another seed (no download)."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.calibration.data import build_calibration_prompts
 
     heldout = build_calibration_prompts(
         tokenizer,
@@ -151,12 +149,18 @@ def main(argv=None) -> int:
         max_seqlen=s["heldout_max_seqlen"],
         min_seqlen=min(512, s["heldout_max_seqlen"]),
         seed=12345,
-        cache_dir=args.cache_dir,
+        cache_dir=cache_dir,
     )
-    texts = [tokenizer(h.prompt, return_tensors="pt").input_ids for h in heldout]
+    return heldout, [tokenizer(h.prompt, return_tensors="pt").input_ids for h in heldout]
+
+
+def _sweep_targets(model, texts, s: dict, targets: list[float]) -> tuple[dict, list[dict]]:
+    """(dense evaluation, one row per target plus the dense row first): the fit does not depend on the target, so
+    each target only moves λ (no recalibration)."""
+    import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
 
     mtsa.disable_sparse_attention(model, "*")
-    dense = evaluate(model, texts, s["decode_tokens"], chunk)
+    dense = evaluate(model, texts, s["decode_tokens"], CHUNK)
     logger.info("dense: ppl %.4f", dense["ppl"])
     mtsa.enable_sparse_attention(model, "*")
 
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
     for target in targets:
         mtsa.set_target_sparsity(model, target)
         mtsa.reset_sparse_attention_stats(model)
-        res = evaluate(model, texts, s["decode_tokens"], chunk)
+        res = evaluate(model, texts, s["decode_tokens"], CHUNK)
         real = mtsa.realized_sparsity(model)
         cal = next(iter(mtsa.sparse_attention_states(model, enabled_only=True).values())).calibration
         rows.append(
@@ -183,14 +187,18 @@ def main(argv=None) -> int:
             }
         )
         logger.info("target %.2f: %s", target, rows[-1])
+    return dense, rows
 
+
+def _markdown_table(rows: list[dict], dense_ppl: float) -> str:
+    """The rows as the markdown table the benchmark prints (Δppl against the dense perplexity)."""
     header = (
         "| target | ppl | Δppl % | next-token agree | greedy agree | greedy prefix | sparsity prefill "
         "| sparsity decode | λ·kv_len prefill | λ·kv_len decode |"
     )
     lines = [header, "|" + "---|" * 10]
     for r in rows:
-        dppl = 100.0 * (r["ppl"] / dense["ppl"] - 1.0)
+        dppl = 100.0 * (r["ppl"] / dense_ppl - 1.0)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         sci = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
         label = "dense" if r["target"] == 0 else f"{r['target']:.2f}"
@@ -200,18 +208,11 @@ def main(argv=None) -> int:
             f"{fmt(r['sparsity_prefill'])} | {fmt(r['sparsity_decode'])} | "
             f"{sci(r.get('scale_factor_prefill'))} | {sci(r.get('scale_factor_decode'))} |"
         )
-    table = "\n".join(lines)
-    meta = {
-        "model": str(ckpt),
-        "quick": args.quick,
-        "settings": s,
-        "heldout": [{"task": h.task, "tokens": h.num_tokens} for h in heldout],
-        "heldout_tokens": dense["tokens"],
-        "calibration_seconds": round(calib_s, 1),
-        "total_seconds": round(time.time() - t0, 1),
-        "threads": torch.get_num_threads(),
-        "sparse_attention_config": block,
-    }
+    return "\n".join(lines)
+
+
+def _report(args, meta: dict, rows: list[dict], table: str, heldout, block: dict, dense: dict) -> None:
+    """Print the table with its notes, and write the JSON (meta, rows, table) to --out."""
     print(f"\nSmolLM2 skip-softmax accuracy ({'quick' if args.quick else 'full'}, held-out tokens "
           f"{dense['tokens']}, {meta['total_seconds']:.0f} s)\n")  # fmt: skip
     print(table)
@@ -224,6 +225,38 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1) + "\n")
     print(f"\nwrote {out}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("transformers", "modelopt_ext.torch.sparsity.attention_sparsity.calibration.data"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = Path(args.model)
+    if not (ckpt / "config.json").is_file():
+        print(f"no HF checkpoint at {ckpt}: build it with `make model` or pass its path", file=sys.stderr)
+        return 2
+    s = _settings(args)
+    targets = [float(t) for t in args.targets.split(",")]
+
+    model, tokenizer, t0, calib_s, block = _calibrated_model(ckpt, s, args.cache_dir)
+    heldout, texts = _heldout(tokenizer, s, args.cache_dir)
+    dense, rows = _sweep_targets(model, texts, s, targets)
+    table = _markdown_table(rows, dense["ppl"])
+    meta = {
+        "model": str(ckpt),
+        "quick": args.quick,
+        "settings": s,
+        "heldout": [{"task": h.task, "tokens": h.num_tokens} for h in heldout],
+        "heldout_tokens": dense["tokens"],
+        "calibration_seconds": round(calib_s, 1),
+        "total_seconds": round(time.time() - t0, 1),
+        "threads": torch.get_num_threads(),
+        "sparse_attention_config": block,
+    }
+    _report(args, meta, rows, table, heldout, block, dense)
     return 0
 
 

@@ -179,7 +179,12 @@ class Inputs:
         if REAL_INPUTS is not None:  # captured attention (benchmarks/attention_inputs.py), tiled to this shape
             self._fill_real(REAL_INPUTS)
             return
+        self._fill_synthetic(gen, device, dtype)
 
+    def _fill_synthetic(self, gen: torch.Generator, device: str, dtype: torch.dtype) -> None:
+        """Structured inputs (sink, salience, recency, noise) drawn from `gen`, into the dense tensors, the paged
+        cache and the queries: attention with the skew real models have, without a capture."""
+        s = self.shape
         d = s.head_dim
         n_freq = max(1, min(16, d // 8))
         # Locality (RoPE-like): sum_f cos(w_f (p - j)), periods log-spaced from 64 to 8 * L, amplitude LOCALITY_AMP.
@@ -1143,44 +1148,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    with contextlib.suppress(Exception):  # never die on a non-UTF-8 console (λ, ·)
-        sys.stdout.reconfigure(encoding="utf-8", errors="replace")
-    t_start = time.perf_counter()
-    deadline = t_start + args.time_budget if args.time_budget else math.inf
-    out = Path(args.out) if args.out else None
-    dtype = DTYPES[args.dtype]
-    torch.manual_seed(args.seed)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    mo = load_modelopt(args.modelopt, args.modelopt_wheels, args.modelopt_path, args.device)
-    meta = environment(args, mo)
-    log(f"bench_kernels: {meta.get('gpu', 'cpu')} torch {meta['torch']} triton {meta['triton']} "
-        f"dtype {args.dtype} ours backend={args.backend}")
-    log(mo.describe())
-    if args.device == "cuda" and mo.available:
-        log("  (ModelOpt: one scalar λ per launch, compiled in as a constant; decode uses the same kernel, "
-            "no split-K with skipping)")
-    if not args.synthetic:
-        attention_inputs = _sibling("attention_inputs")
-        path = args.inputs or attention_inputs.default_inputs_path()
-        if path is None or not Path(path).is_file():
-            print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
-            return 2
-        global REAL_INPUTS
-        REAL_INPUTS = attention_inputs.load_inputs(path)
-        m = REAL_INPUTS.meta
-        meta["inputs"] = {k: v for k, v in m.items()}
-        log(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens, {m['heads']}/{m['kv_heads']} "
-            f"heads, D={m['head_dim']}), tiled to each shape")
-    else:
+def _load_inputs(args, meta: dict, log) -> bool:
+    """Load the captured attention inputs (default) into `REAL_INPUTS`, or note synthetic ones (--synthetic);
+    False, with the capture command printed, when there is no capture."""
+    if args.synthetic:
         meta["inputs"] = "synthetic"
         log("inputs: synthetic (sink, salience, recency, noise)")
-    shapes = build_shapes(args)
-    log(f"shapes: {len(shapes)}; targets: {args.sparsities}; budget: {args.time_budget or 'none'} s")
+        return True
+    attention_inputs = _sibling("attention_inputs")
+    path = args.inputs or attention_inputs.default_inputs_path()
+    if path is None or not Path(path).is_file():
+        print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
+        return False
+    global REAL_INPUTS
+    REAL_INPUTS = attention_inputs.load_inputs(path)
+    m = REAL_INPUTS.meta
+    meta["inputs"] = {k: v for k, v in m.items()}
+    log(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens, {m['heads']}/{m['kv_heads']} "
+        f"heads, D={m['head_dim']}), tiled to each shape")
+    return True
+
+
+def _run_shapes(shapes: list[Shape], args, dtype, mo: ModelOptBaseline, deadline: float, meta: dict, out, log):
+    """(records, exit status) of every shape in turn, writing the outputs after each (and as records come); a
+    shape that raises, or a MISMATCH / ERROR check, makes the status 1; past the deadline shapes are skipped."""
     records: list[dict] = []
     status = 0
     for n, shape in enumerate(shapes):
@@ -1211,6 +1202,35 @@ def main(argv=None) -> int:
         log(f"  done in {time.perf_counter() - t0:.1f} s")
         if out:
             write_outputs(out, meta, records, summarize(records))
+    return records, status
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with contextlib.suppress(Exception):  # never die on a non-UTF-8 console (λ, ·)
+        sys.stdout.reconfigure(encoding="utf-8", errors="replace")
+    t_start = time.perf_counter()
+    deadline = t_start + args.time_budget if args.time_budget else math.inf
+    out = Path(args.out) if args.out else None
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(args.seed)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    mo = load_modelopt(args.modelopt, args.modelopt_wheels, args.modelopt_path, args.device)
+    meta = environment(args, mo)
+    log(f"bench_kernels: {meta.get('gpu', 'cpu')} torch {meta['torch']} triton {meta['triton']} "
+        f"dtype {args.dtype} ours backend={args.backend}")
+    log(mo.describe())
+    if args.device == "cuda" and mo.available:
+        log("  (ModelOpt: one scalar λ per launch, compiled in as a constant; decode uses the same kernel, "
+            "no split-K with skipping)")
+    if not _load_inputs(args, meta, log):
+        return 2
+    shapes = build_shapes(args)
+    log(f"shapes: {len(shapes)}; targets: {args.sparsities}; budget: {args.time_budget or 'none'} s")
+    records, status = _run_shapes(shapes, args, dtype, mo, deadline, meta, out, log)
     rows = summarize(records)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     table = format_table(rows)
