@@ -392,6 +392,7 @@ def write_atomic(path: Path, data: dict) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, default=str)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 is not what a results file should be
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
