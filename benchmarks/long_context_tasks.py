@@ -43,17 +43,23 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import task_generation as tg
+
+from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
+    free_port,
+    running_server,
+    server_env,
+    sparse_metrics,
+    tile_counts,
+)
 
 log = logging.getLogger("long_context_tasks")
 REPO = Path(__file__).resolve().parent.parent
@@ -118,12 +124,6 @@ def _engine_env() -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -135,76 +135,19 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> 
     return json.loads(body) if body else {}
 
 
-def sparse_counters(base: str) -> dict[str, list[float]]:
-    """{phase: [visited, skipped]} from the server's /metrics (`modelopt_sparse_attn_tiles_*_total`)."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
-    out = {"prefill": [0.0, 0.0], "decode": [0.0, 0.0]}
-    for line in text.splitlines():
-        for i, kind in enumerate(("visited", "skipped")):
-            prefix = f"modelopt_sparse_attn_tiles_{kind}_total{{"
-            if line.startswith(prefix):
-                labels, _, value = line.rpartition(" ")
-                for phase in out:
-                    if f'phase="{phase}"' in labels:
-                        out[phase][i] = float(value)
-    return out
-
-
-def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the server (its own session), then its process group if it lingers; never anything else."""
-    if proc.poll() is None:
-        log.info("stopping server pid %d", proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            log.warning("server pid %d ignored SIGTERM for %.0f s; killing its process group", proc.pid, grace)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    try:  # engine children that outlived the server
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-
-
-@contextmanager
 def sparse_server(python: str, ckpt: Path, name: str, port: int, max_model_len: int, log_path: Path,
                   extra_args: list[str], start_timeout: float):  # fmt: skip
-    """The sparse OpenAI server on 127.0.0.1 (as the serve example starts it); yields its base URL and always stops
-    it."""
+    """The sparse OpenAI server on 127.0.0.1 (as the serve example starts it, as a user serves it: no dev mode),
+    prefix caching off (not yet keyed by per-request target); yields its base URL and always stops it."""
     cmd = [python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(ckpt), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
            "--no-enable-prefix-caching", *extra_args]  # fmt: skip
-    env = _engine_env()
-    env.pop("VLLM_SERVER_DEV_MODE", None)  # as a user serves it; /metrics needs no dev mode
-    env.setdefault("MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY", "1")
-    log.info("starting server (log: %s): %s", log_path, shlex.join(cmd))
-    with log_path.open("wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {proc.returncode} before it was healthy")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() - t0 > start_timeout:
-                raise TimeoutError(f"the server was not healthy after {start_timeout:.0f} s")
-            time.sleep(1.0)
-        log.info("server healthy after %.0f s (pid %d)", time.monotonic() - t0, proc.pid)
-        yield base
-    except BaseException:
-        tail = log_path.read_text(errors="replace").splitlines()[-30:]
-        log.error("server log tail:\n%s", "\n".join(tail))
-        raise
-    finally:
-        _stop(proc)
+    return running_server(cmd, log_path, server_env(_engine_env()), f"http://127.0.0.1:{port}", start_timeout)
+
+
+def sparse_counters(base: str) -> dict[str, tuple[float, float]]:
+    """{phase: (visited, skipped)} from the server's /metrics."""
+    return tile_counts(sparse_metrics(base))
 
 
 def _sigterm_to_interrupt() -> None:

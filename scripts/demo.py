@@ -20,17 +20,21 @@ import argparse
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
+    free_port,
+    running_server,
+    server_env,
+    sparse_metrics,
+    tile_counts,
+)
 
 log = logging.getLogger("demo")
 REPO = Path(__file__).resolve().parent.parent
@@ -55,12 +59,6 @@ def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
     return output
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -69,80 +67,19 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> 
     return json.loads(body) if body else {}
 
 
-def sparse_metrics(base: str) -> dict[str, float]:
-    """The `modelopt_sparse_attn*` samples of the server's Prometheus /metrics: {'name{labels}': value}."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("modelopt_sparse_attn"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-@contextmanager
 def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[str], start_timeout: float):
-    """Start the sparse-attention OpenAI server on the CPU engine; yield its base URL; always stop it by its PID."""
+    """The sparse-attention OpenAI server on the CPU engine, as a user serves it (no dev mode); yields its base URL and
+    always stops it with its engine processes."""
     cmd = [
         python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(model), "--served-model-name", model.name,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048",
         *extra_args,
     ]  # fmt: skip
-    env = dict(os.environ)
+    env = server_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM would otherwise claim most of the RAM
     env.setdefault("HF_HUB_OFFLINE", "1")
-    # As a user serves it: no development mode (it would let any HTTP caller run any worker method); /metrics
-    # needs none.
-    env.pop("VLLM_SERVER_DEV_MODE", None)
-    # The workers write their totals for /metrics every N engine steps (with the log line); 1: exact once a reply
-    # is back.
-    env.setdefault("MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY", "1")
-    log.info("starting: %s (log: %s)", " ".join(cmd), log_path)
-    with log_path.open("wb") as out:
-        # Own session: if SIGTERM to the server is not enough, its engine children can be reached by group id.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {proc.returncode} before becoming healthy")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() - t0 > start_timeout:
-                raise TimeoutError(f"vLLM server not healthy after {start_timeout:.0f} s")
-            time.sleep(1.0)
-        log.info("server healthy after %.1f s (pid %d)", time.monotonic() - t0, proc.pid)
-        yield base
-    except BaseException:
-        tail = log_path.read_text(errors="replace").splitlines()[-40:]
-        log.error("server log tail:\n%s", "\n".join(tail))
-        raise
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    if proc.poll() is None:
-        log.info("stopping server pid %d", proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            log.warning("server pid %d ignored SIGTERM for %.0f s; killing its process group", proc.pid, grace)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    # Children (EngineCore, workers) exit with the server; make sure none outlived it.
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+    return running_server(cmd, log_path, env, f"http://127.0.0.1:{port}", start_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = {k: v for k, v in metrics.items() if k.startswith("modelopt_sparse_attn_layers{")}
     sparse = sum(v for k, v in layers.items() if 'served="sparse"' in k)
     print(f"sparse layers: {sparse:.0f}/{sum(layers.values()):.0f} (from {base}/metrics)")
-    for phase in ("prefill", "decode"):
-        visited = metrics.get(f'modelopt_sparse_attn_tiles_visited_total{{phase="{phase}"}}', 0.0)
-        skipped = metrics.get(f'modelopt_sparse_attn_tiles_skipped_total{{phase="{phase}"}}', 0.0)
+    for phase, (visited, skipped) in tile_counts(metrics).items():
         sparsity = f"{skipped / visited:.3f}" if visited else "-"
         print(f"  {phase:7s}: realized sparsity {sparsity} ({skipped:.0f}/{visited:.0f} tiles skipped)")
     print(f"total demo {time.monotonic() - t0:.0f} s; server log: {workdir / 'server.log'}")
