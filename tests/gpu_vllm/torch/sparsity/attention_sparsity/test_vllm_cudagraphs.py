@@ -2,7 +2,9 @@
 capture-safe plan, exercised on the CPU as far as it goes (everything but the capture itself).
 
 - The declaration: real sparse builders of a fresh engine config (one engine: its forward context holds only its
-  layers), resolved by vLLM's own `CompilationConfig.resolve_cudagraph_mode_and_sizes`.
+  layers), asked as vLLM asks them (inside the engine's `set_current_vllm_config`: FlashInfer's native answer reads
+  the current config up to 0.32), and resolved by vLLM's own `CompilationConfig.resolve_cudagraph_mode_and_sizes`
+  where the release has it (0.16 resolves inside its model runner).
 - The capture-safe plan: a uniform decode step built at a padded batch size (vLLM's padding: rows with no new
   token, no keys and the null block) is "captured" by keeping its metadata (the host values a graph freezes: the
   plan object, its grid bound, its launch flags), then the persistent buffers get the next step's values through
@@ -31,6 +33,7 @@ from vllm_plugin_testlib import (  # noqa: E402
     make_cache,
     new_engine_config,
     new_layer,
+    skip_refused_cpu_attention,
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel  # noqa: E402
@@ -56,6 +59,7 @@ def _engine(backend, *, settings=None, mode="serve", capture_size=None, kernel=N
     """A fresh engine config with two installed layers of one backend; optionally asking for full graphs."""
     from vllm.config import CUDAGraphMode
 
+    skip_refused_cpu_attention(backend)  # every test here exercises the sparse path of its backend
     config = new_engine_config()
     if capture_size is not None:
         config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -68,47 +72,73 @@ def _engine(backend, *, settings=None, mode="serve", capture_size=None, kernel=N
     return config, layers
 
 
+def _cudagraph_support(builder_cls, config, spec):
+    """`builder_cls.get_cudagraph_support` as vLLM's runner calls it: with the engine's config current."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        return builder_cls.get_cudagraph_support(config, spec)
+
+
 def _resolve(config, support, name):
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.config.compilation import CompilationMode
 
+    if not hasattr(CompilationConfig, "resolve_cudagraph_mode_and_sizes"):
+        pytest.skip("this vLLM has no CompilationConfig.resolve_cudagraph_mode_and_sizes (it resolves the graph mode "
+                    "inside its model runner); the declared support is asserted by test_declared_cudagraph_support")
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     cc.set_splitting_ops_for_v1(*(["naive"] if "all2all_backend" in
                                   __import__("inspect").signature(cc.set_splitting_ops_for_v1).parameters else []))
     return cc.resolve_cudagraph_mode_and_sizes(support, name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("choice", ["auto", "full", "never"])
-def test_declared_support_and_vllm_resolution(backend, choice, monkeypatch, caplog):
-    """On the CPU `auto` declares NEVER (vLLM resolves its default to PIECEWISE); `full` declares uniform
-    single-token decode, capped by the native builder (vLLM keeps FULL_AND_PIECEWISE); `never` declares NEVER."""
-    from vllm.config import CUDAGraphMode
+def _declared(backend, choice, monkeypatch):
+    """(config, layers, sparse builder class, its declared support, the expected support) for one switch value."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
     monkeypatch.setenv(ENV_CUDAGRAPH, choice)
     config, layers = _engine(backend)
     builder_cls = layers[0].attn_backend.get_builder_cls()
     spec = kv_cache_spec(PAGE, HKV, D)
-    support = builder_cls.get_cudagraph_support(config, spec)
-    native_builder = native_backend_of(layers[0].attn_backend).get_builder_cls()
-    native = native_builder.get_cudagraph_support(config, spec)
+    support = _cudagraph_support(builder_cls, config, spec)
+    native = _cudagraph_support(native_backend_of(layers[0].attn_backend).get_builder_cls(), config, spec)
     if choice == "full":
         expected = min(native, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, key=lambda s: s.value)
     else:
         expected = AttentionCGSupport.NEVER
+    return config, layers, builder_cls, support, expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("choice", ["auto", "full", "never"])
+def test_declared_cudagraph_support(backend, choice, monkeypatch, caplog):
+    """On the CPU `auto` declares NEVER; `full` declares uniform single-token decode, capped by the native builder;
+    `never` declares NEVER. The builder logs the decision and its reason once."""
+    config, layers, _, support, expected = _declared(backend, choice, monkeypatch)
+    assert support == expected
+    with caplog.at_level("INFO", logger="modelopt_ext"):
+        make_builder(config, layers)
+    said = [r.getMessage() for r in caplog.records if "full CUDA graphs for uniform decode" in r.getMessage()]
+    reason = {"auto": "no CUDA graphs on cpu", "full": f"{ENV_CUDAGRAPH}=full", "never": f"{ENV_CUDAGRAPH}=never"}
+    assert len(said) == 1 and reason[choice] in said[0], said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("choice", ["auto", "full", "never"])
+def test_vllm_resolution_of_the_declared_support(backend, choice, monkeypatch):
+    """vLLM resolves its default FULL_AND_PIECEWISE against the declared support: PIECEWISE for NEVER (attention
+    eager between the captured pieces), FULL_AND_PIECEWISE kept for uniform single-token decode."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    config, _, builder_cls, support, expected = _declared(backend, choice, monkeypatch)
     assert support == expected
     mode = _resolve(config, support, builder_cls.__name__)
     if expected == AttentionCGSupport.NEVER:
         assert mode == CUDAGraphMode.PIECEWISE
     else:
         assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
-
-    with caplog.at_level("INFO", logger="modelopt_ext"):
-        make_builder(config, layers)
-    said = [r.getMessage() for r in caplog.records if "full CUDA graphs for uniform decode" in r.getMessage()]
-    reason = {"auto": "no CUDA graphs on cpu", "full": f"{ENV_CUDAGRAPH}=full", "never": f"{ENV_CUDAGRAPH}=never"}
-    assert len(said) == 1 and reason[choice] in said[0], said
 
 
 def test_dense_engine_declares_the_native_support_and_calibration_never(monkeypatch):
@@ -117,11 +147,11 @@ def test_dense_engine_declares_the_native_support_and_calibration_never(monkeypa
     monkeypatch.setenv(ENV_CUDAGRAPH, "full")
     spec = kv_cache_spec(PAGE, HKV, D)
     config, layers = _engine("flash_attn", settings=SparseAttentionSettings(prefill=None, decode=None))
-    native = native_backend_of(layers[0].attn_backend).get_builder_cls().get_cudagraph_support(config, spec)
-    assert layers[0].attn_backend.get_builder_cls().get_cudagraph_support(config, spec) == native
+    native = _cudagraph_support(native_backend_of(layers[0].attn_backend).get_builder_cls(), config, spec)
+    assert _cudagraph_support(layers[0].attn_backend.get_builder_cls(), config, spec) == native
 
     config, layers = _engine("flash_attn", mode="calibrate")
-    support = layers[0].attn_backend.get_builder_cls().get_cudagraph_support(config, spec)
+    support = _cudagraph_support(layers[0].attn_backend.get_builder_cls(), config, spec)
     assert support == AttentionCGSupport.NEVER
 
 
@@ -252,5 +282,5 @@ def test_the_cuda_decision_runs_the_self_test_at_the_engine_shapes(monkeypatch, 
         decision = cudagraphs.decide(config, spec, context)
     assert not decision.full and decision.reason.startswith("the start-up self-test failed (")
     assert any("CUDA-graph self-test" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
-    support = layers[0].attn_backend.get_builder_cls().get_cudagraph_support(config, spec)
+    support = _cudagraph_support(layers[0].attn_backend.get_builder_cls(), config, spec)
     assert support == plug.vllm_facts().cg_support.NEVER

@@ -56,6 +56,17 @@ LEGACY_CPU_CACHE_SHAPE = _legacy_cpu_cache_shape()
 """Not None where the sparse CPU impl refuses vLLM's CPU attention (its cache is not the packed, measured one)."""
 
 
+def skip_refused_cpu_attention(backend: str) -> None:
+    """Skip a test of the sparse path on vLLM's CPU attention where the plugin refuses this release's CPU cache."""
+    if backend == "cpu_attn" and LEGACY_CPU_CACHE_SHAPE is not None:
+        import pytest
+
+        pytest.skip(
+            f"this vLLM's CPU attention cache is {LEGACY_CPU_CACHE_SHAPE} (not packed): the plugin refuses it "
+            "(asserted by test_cpu_attention_cache_layout_gate)"
+        )
+
+
 def new_layer(
     vllm_config, backend: str, *, num_heads=4, num_kv_heads=2, head_size=32, prefix=None, **kwargs
 ) -> Attention:
