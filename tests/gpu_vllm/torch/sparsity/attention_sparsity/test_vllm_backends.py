@@ -353,8 +353,9 @@ def test_flashinfer_plan_runs_only_when_the_dense_path_may(make_layer, vllm_conf
 
     from vllm.v1.attention.backends.flashinfer import FlashInferMetadata
 
+    missing = dataclasses.MISSING
     required = {f.name for f in dataclasses.fields(FlashInferMetadata)
-                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # fmt: skip
+                if f.init and f.default is missing and f.default_factory is missing}  # fmt: skip
     extra = sorted(required - _SPARSE_STEP_FLASHINFER_FIELDS)
     layer = make_layer("flashinfer", head_size=D)
     plug.install_sparse_attention([layer], _settings(sf_prefill=8.0, sf_decode=8.0))
