@@ -12,13 +12,14 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import free_port, sparse_metrics  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "vllm_serve"
@@ -86,12 +87,6 @@ def calibrate_with_readme_command(ckpt: Path, work: Path, *extra: str) -> tuple[
     return log, records
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, body: dict | None = None, timeout: float = 120.0):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -132,18 +127,6 @@ def wait_for_log(proc: subprocess.Popen, log: Path, needle: str, timeout: float)
         assert proc.poll() is None, f"exited ({proc.returncode}) before {needle!r}:\n" + log.read_text()[-4000:]
         assert time.monotonic() < deadline, f"no {needle!r} after {timeout:.0f} s:\n" + log.read_text()[-4000:]
         time.sleep(0.5)
-
-
-def sparse_metrics(base: str) -> dict[str, float]:
-    """The server's `modelopt_sparse_attn*` samples on its Prometheus /metrics, read-only (no dev mode needed):
-    {'name{labels}': value}, e.g. 'modelopt_sparse_attn_tiles_skipped_total{phase="prefill"}'."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("modelopt_sparse_attn"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 @contextmanager
