@@ -193,8 +193,19 @@ def gather_dense(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch
     return cache[pages[pos // page].long(), pos % page].to(torch.float64)
 
 
-def dense_attention_f64(case: Case) -> torch.Tensor:
-    """Plain float64 causal-suffix attention (no tiles): [total_q, Hq, D]."""
+def softmax_with_sink(s: torch.Tensor, sink: float | None) -> torch.Tensor:
+    """float64 softmax over the last dim with an attention sink in the denominator only (written out, not the
+    reference's concatenation): exp(s - M) / (exp(sink - M) + sum exp(s - M)), M = max(sink, max s)."""
+    if sink is None:
+        return torch.softmax(s, dim=-1)
+    m = torch.clamp(s.amax(-1, keepdim=True), min=sink)
+    e = torch.exp(s - m)
+    return e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))
+
+
+def dense_attention_f64(case: Case, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain float64 causal-suffix attention (no tiles): [total_q, Hq, D]; `sinks` [Hq] join each head's
+    denominator."""
     total_q, hq, d = case.q.shape
     out = torch.zeros(total_q, hq, d, dtype=torch.float64)
     group = hq // semantics.cache_geometry(case.k_cache)[2]
@@ -209,7 +220,8 @@ def dense_attention_f64(case: Case) -> torch.Tensor:
             s = case.scale * q[:, h] @ k[:, h // group].T  # [ql, kv]
             mask = torch.arange(kv)[None, :] <= (kv - ql + torch.arange(ql))[:, None]
             s = s.masked_fill(~mask, -math.inf)
-            out[q0 : q0 + ql, h] = torch.softmax(s, dim=-1) @ v[:, h // group]
+            sink = None if sinks is None else float(sinks[h])
+            out[q0 : q0 + ql, h] = softmax_with_sink(s, sink) @ v[:, h // group]
     return out
 
 
@@ -238,12 +250,13 @@ def default_prompt_lens(case: Case) -> list[int]:
 
 
 def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None,
-           softcap: float = 0.0) -> OracleResult:
-    """float64 implementation of docs/skip_softmax.md (v2), row by row.
+           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> OracleResult:
+    """float64 implementation of docs/skip_softmax.md (v3), row by row.
 
     `log_lams`: [B, T] ln λ for every row (-inf = dense) or None; or `law = (log_sf [B, T, 2], gamma [B, 2],
     prompt_lens [B])`. Serving (calibrate=False) drops the tiles of trial 0; calibration keeps the output dense
-    and counts every trial. `softcap` > 0: scores are cap·tanh(s / cap) before everything else.
+    and counts every trial. `softcap` > 0: scores are cap·tanh(s / cap) before everything else. `sinks` [Hq]:
+    attention sinks (never capped), in every tile's reference max and in the softmax denominator.
     """
     total_q, hq, d = case.q.shape
     group = hq // semantics.cache_geometry(case.k_cache)[2]
@@ -284,6 +297,8 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
                 continue  # the anchor tile is never dropped
             split_start = (t // split_tiles) * split_tiles
             ref = g[..., 0]
+            if sinks is not None:
+                ref = torch.maximum(ref, sinks.to(torch.float64)[:, None])
             if t > split_start:
                 ref = torch.maximum(ref, g[..., split_start:t].amax(-1))
             gap = g[..., t] - ref  # [Hq, ql]
@@ -294,7 +309,8 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
             counts[b, :, 1] += drop.sum(dim=(1, 2))
             if not calibrate:
                 keep[..., t * TILE_K : (t + 1) * TILE_K] &= ~drop[0].unsqueeze(-1)
-        p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1)  # [Hq, ql, kv]
+        s = s.masked_fill(~keep, -math.inf)
+        p = torch.stack([softmax_with_sink(s[h], None if sinks is None else float(sinks[h])) for h in range(hq)])
         out[q0 : q0 + ql] = torch.matmul(p, v.repeat_interleave(group, dim=1).transpose(0, 1)).transpose(0, 1)
         stats.append(torch.cat(seq_stats) if seq_stats else torch.zeros(0, dtype=torch.float64))
     return OracleResult(out=out, counts=counts if law is not None else None, tile_stats=stats)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from .reference import paged_skip_softmax_attention_reference
-from .semantics import check_inputs, default_prompt_lens, normalize_thresholds
+from .semantics import check_inputs, checked_sinks, default_prompt_lens, normalize_thresholds
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ def paged_skip_softmax_attention(
     length_exponents: torch.Tensor | None = None,
     prompt_lens: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Causal varlen attention over a paged KV cache, dropping key tiles per row per docs/skip_softmax.md.
 
@@ -166,6 +167,8 @@ def paged_skip_softmax_attention(
             q_len == 1 is decode. Pass the request's real prompt length to make results chunking-invariant.
         logits_soft_cap: logit soft-capping (Gemma 2's `attn_logit_softcapping`): every score becomes
             cap·tanh(score / cap) before the skip test and the softmax (None or 0: off).
+        sinks: attention sinks (gpt-oss), one finite logit per query head ([Hq], scaled-score units, never capped):
+            each joins its head's softmax denominator and the skip test's reference max (docs/skip_softmax.md v3).
 
     Returns:
         `out`, or `(out, counts)` with counts [B, T, 2] int64 when calibrating or `return_skip_counts`.
@@ -184,12 +187,13 @@ def paged_skip_softmax_attention(
     prompt_lens = _checked_prompt_lens(prompt_lens, batch, cu_seqlens_q, seq_lens_k, q.device)
     want_counts = calibrate or return_skip_counts
     softcap = _checked_softcap(logits_soft_cap)
+    sinks = checked_sinks(sinks, q.shape[1], q.device)
 
     chosen = _resolve_backend(backend, q, k_cache)
     counts = _run_backend(
         chosen, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate,
-        out=out, softcap=softcap,
+        out=out, softcap=softcap, sinks=sinks,
     )
     return (out, counts) if want_counts else out
 
@@ -218,7 +222,7 @@ def kernel_launcher(backend: str):
 
         launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
-               totals=None, softcap=0.0) -> counts [B, T, 2] int64, or None
+               totals=None, softcap=0.0, sinks=None) -> counts [B, T, 2] int64, or None
 
     The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
     -inf for dense phases, or None; `gamma` [B, 2] float32; int32 contiguous `prompt_lens`, `cu_seqlens_q`,
@@ -226,7 +230,8 @@ def kernel_launcher(backend: str):
     are neither read nor written). Nothing is checked: `paged_skip_softmax_attention` is the entry that checks.
     `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation); `totals` =
     (phase index [B] int64, totals [phases, 2] int64) also adds trial 0's counts into totals[phase[b]] (serving
-    statistics; inside the op for the compiled CPU kernel); `softcap` > 0 caps scores (cap·tanh(s / cap));
+    statistics; inside the op for the compiled CPU kernel); `softcap` > 0 caps scores (cap·tanh(s / cap)); `sinks`
+    None or a contiguous float32 [Hq] tensor of attention-sink logits (`semantics.checked_sinks`);
     `workspace` and `decode_only` are the Triton kernel's (`triton_kernel.launch_triton`), ignored by the others.
     Resolved once per backend (cached).
     """

@@ -1,7 +1,8 @@
-"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v2).
+"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v3).
 
 For a chunk of query rows it computes the scores against the keys they can see, each row's tile maxima and its
-reference max per tile (running max within the tile's split, seeded with the row's tile 0: docs/skip_softmax.md),
+reference max per tile (running max within the tile's split, seeded with the row's tile 0 and the head's attention
+sink: docs/skip_softmax.md),
 decides per row which tiles it drops, and takes a softmax over the kept keys. The reference max is a function of
 the scores alone, so this is exactly what an online-softmax kernel computes, and one dense pass yields the counts
 for any number of λ trials.
@@ -67,15 +68,18 @@ def _exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None)
     return _exclusive_running_max(shaped, None).reshape(*tile_max.shape[:-1], -1)[..., :n_tiles]
 
 
-def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor):
+def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor, sinks=None):
     """Per-row tile decisions of docs/skip_softmax.md for scores `s` [N, Hkv, g, R, n_tiles * TILE_K].
 
-    positions: [N, R] absolute row positions (invisible keys of `s` already -inf); log_lams: [N, T, R].
+    positions: [N, R] absolute row positions (invisible keys of `s` already -inf); log_lams: [N, T, R]; sinks:
+    None or the attention sinks as [Hkv, g] (they seed every tile's reference max, like the anchor).
     Returns (visited [N, R, n_tiles] bool, dropped [N, T, Hkv, g, R, n_tiles] bool).
     """
     n_tiles = s.shape[-1] // TILE_K
     tile_max = s.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [N, Hkv, g, R, nt]; -inf where nothing visible
     ref = torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
+    if sinks is not None:
+        ref = torch.maximum(ref, sinks.to(ref.dtype)[None, :, :, None, None])
     gap = tile_max - ref
     tiles = torch.arange(n_tiles, device=s.device)
     visited = (tiles * TILE_K).view(1, 1, -1) <= positions.unsqueeze(-1)  # [N, R, nt]
@@ -108,17 +112,33 @@ def _count(visited, dropped, counts_out, hq: int) -> None:
     counts_out[..., 1] += dropped.sum(dim=(2, 3, 4, 5))
 
 
+def _sink_softmax(s: torch.Tensor, sinks) -> torch.Tensor:
+    """Softmax over the last dim of `s`, with each head's sink (broadcast to s[..., :1], or None) joining the
+    denominator only (docs/skip_softmax.md, "The softmax with a sink")."""
+    if sinks is None:
+        return torch.softmax(s, dim=-1)
+    column = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+
+
+def _sinks_by_kv_head(sinks, hkv: int, dtype):
+    """The [Hq] sinks as [Hkv, G] (query head h = kv·G + i), or None."""
+    return None if sinks is None else sinks.to(dtype).reshape(hkv, -1)
+
+
 def _cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
     """Logit soft-capping, in place: s = cap·tanh(s / cap) (docs/skip_softmax.md; 0 = off)."""
     return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
 
 
-def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype, softcap=0.0):
+def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype, softcap=0.0,
+                      sinks=None):
     """Sequences with one new row each (decode steps), batched: q [N, Hq, D]; pages [N, P]; kv_lens [N] int64;
-    log_lams [N, T] or None. Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
+    log_lams [N, T] or None; sinks [Hq] or None. Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
     n, hq, d = q.shape
     hkv = cache_geometry(k_cache)[2]
     group = hq // hkv
+    sink_hg = _sinks_by_kv_head(sinks, hkv, dtype)
     kv_pad = _ceil_to(int(kv_lens.max()), TILE_K)
     k = _gather(k_cache, pages, kv_pad, dtype)  # [N, kv_pad, Hkv, D]
     v = _zero_past(_gather(v_cache, pages, kv_pad, dtype), kv_lens)
@@ -129,22 +149,24 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     counts = None
     if log_lams is not None:
         s5 = s.unsqueeze(3)  # one row: [N, Hkv, g, 1, kv_pad]
-        visited, dropped = _drop_decisions(s5, (kv_lens - 1).unsqueeze(1), log_lams.unsqueeze(-1))
+        visited, dropped = _drop_decisions(s5, (kv_lens - 1).unsqueeze(1), log_lams.unsqueeze(-1), sink_hg)
         counts = torch.zeros(n, log_lams.shape[1], 2, dtype=torch.int64, device=q.device)
         _count(visited, dropped, counts, hq)
         if apply_skip:
             s5.unflatten(-1, (-1, TILE_K)).masked_fill_(dropped[:, 0].unsqueeze(-1), -math.inf)
-    p = torch.softmax(s, dim=-1)
+    p = _sink_softmax(s, None if sink_hg is None else sink_hg[None, :, :, None])
     out = torch.matmul(p, v.permute(0, 2, 1, 3))  # [N, Hkv, g, D]
     return out.reshape(n, hq, d), counts
 
 
-def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip, softcap=0.0):
+def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip, softcap=0.0, sinks=None):
     """One sequence with several new rows: q [q_len, Hq, D], k/v [kv_pad, Hkv, D] (compute dtype, v zeroed past
-    kv_len). `log_lams_fn(positions [R]) -> [T, R]` or None. Returns (out [q_len, Hq, D], counts [T, 2] or None)."""
+    kv_len). `log_lams_fn(positions [R]) -> [T, R]` or None; sinks [Hq] or None. Returns (out [q_len, Hq, D],
+    counts [T, 2] or None)."""
     q_len, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
+    sink_hg = _sinks_by_kv_head(sinks, hkv, q.dtype)
     counts = None if log_lams_fn is None else torch.zeros(1, n_trials, 2, dtype=torch.int64, device=q.device)
 
     kt = k.permute(1, 2, 0)  # [Hkv, D, kv_pad]
@@ -166,11 +188,12 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
         s[..., first_hidden:].masked_fill_(cols.unsqueeze(0) > positions.unsqueeze(1), -math.inf)
         if log_lams_fn is not None:
             s5 = s.unsqueeze(0)
-            visited, dropped = _drop_decisions(s5, positions.unsqueeze(0), log_lams_fn(positions).unsqueeze(0))
+            visited, dropped = _drop_decisions(s5, positions.unsqueeze(0), log_lams_fn(positions).unsqueeze(0),
+                                               sink_hg)
             _count(visited, dropped, counts, hq)
             if apply_skip:
                 s5.unflatten(-1, (-1, TILE_K)).masked_fill_(dropped[:, 0].unsqueeze(-1), -math.inf)
-        p = torch.softmax(s, dim=-1)
+        p = _sink_softmax(s, None if sink_hg is None else sink_hg[:, :, None, None])
         o = torch.matmul(p, vh[:, :kv_end].unsqueeze(1))  # [Hkv, g, R, D]
         out[r0:r1] = o.reshape(hq, n_rows, d).permute(1, 0, 2)
     return out, None if counts is None else counts[0]
@@ -194,7 +217,7 @@ def _decode_sub_batches(single: list[int], lens: list[int], per_key: int):
 
 
 def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
-                           prompt_lens, apply_skip, dtype, softcap, out, counts) -> None:
+                           prompt_lens, apply_skip, dtype, softcap, out, counts, sinks) -> None:
     """The one-row (decode) sequences, batched: writes their rows of `out` and, when counting, of `counts`."""
     batch = seq_lens_k.shape[0]
     single = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
@@ -211,7 +234,7 @@ def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_
             )[..., 0]
         o, c = _single_row_batch(
             q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
-            softmax_scale, log_lams, apply_skip, dtype, softcap,
+            softmax_scale, log_lams, apply_skip, dtype, softcap, sinks,
         )
         out.index_copy_(0, rows, o.to(out.dtype))
         if c is not None:
@@ -219,7 +242,7 @@ def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_
 
 
 def _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
-                          prompt_lens, apply_skip, dtype, softcap, out, counts, n_trials) -> None:
+                          prompt_lens, apply_skip, dtype, softcap, out, counts, n_trials, sinks) -> None:
     """The sequences with several query rows (prefill, chunks), one at a time: writes their rows and counts."""
     for b in range(seq_lens_k.shape[0]):
         q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
@@ -234,7 +257,7 @@ def _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k
                 return row_log_thresholds(log_sf[b : b + 1], gamma[b : b + 1], prompt_lens[b : b + 1],
                                           positions.unsqueeze(0))[0]
         o, c = _multi_row_sequence(
-            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap
+            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap, sinks
         )
         out[q0:q1] = o.to(out.dtype)
         if c is not None:
@@ -257,6 +280,7 @@ def paged_skip_softmax_attention_reference(
     out: torch.Tensor,
     counts: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Reference backend of `paged_skip_softmax_attention` (arguments already validated and normalised).
 
@@ -264,12 +288,13 @@ def paged_skip_softmax_attention_reference(
     the length exponents and `prompt_lens` [B]: ln λ of a row follows docs/skip_softmax.md. With `calibrate` the
     output is dense and counts cover all T trials; otherwise T == 1 and each row's drops are applied.
     `counts`: optional int64 [B, T, 2] buffer to fill instead of a new tensor; `softcap` > 0 caps every score
-    (cap·tanh(s / cap)) before the skip test and the softmax. Returns counts [B, T, 2] or None.
+    (cap·tanh(s / cap)) before the skip test and the softmax; `sinks` (None or float32 [Hq]) are the attention
+    sinks of version 3. Returns counts [B, T, 2] or None.
     """
     if counts is not None and log_sf is not None:
         counts.copy_(paged_skip_softmax_attention_reference(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
-            gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, softcap=softcap,
+            gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, softcap=softcap, sinks=sinks,
         ))  # fmt: skip
         return counts
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -284,7 +309,7 @@ def paged_skip_softmax_attention_reference(
         if lens[b] < cu[b + 1] - cu[b]:
             raise ValueError(f"sequence {b}: seq_lens_k ({lens[b]}) must include its {cu[b + 1] - cu[b]} new tokens")
     step = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
-                apply_skip=not calibrate, dtype=dtype, softcap=softcap, out=out, counts=counts)
+                apply_skip=not calibrate, dtype=dtype, softcap=softcap, out=out, counts=counts, sinks=sinks)
     _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, **step)
     _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, n_trials=n_trials, **step)
     return counts

@@ -171,6 +171,25 @@ def as_trials_tensor(threshold_trials, batch: int, device) -> torch.Tensor | Non
     return trials.contiguous()
 
 
+def checked_sinks(sinks, num_heads: int, device) -> torch.Tensor | None:
+    """The attention sinks as the backends take them: None, or a contiguous float32 [Hq] tensor on `device`.
+
+    One finite logit per query head, in the units of the scaled scores (docs/skip_softmax.md, version 3).
+    """
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a [Hq] float tensor (one logit per query head), got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks must have shape [Hq]=[{num_heads}] (one logit per query head), got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor, got {sinks.dtype}")
+    out = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("sinks must be finite (pass sinks=None for a model without attention sinks)")
+    return out
+
+
 def cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(num_blocks, page_size, Hkv, D) of a K or V cache view.
 
