@@ -55,11 +55,11 @@ def _case(dtype=torch.float32, seed: int = 11):
 
 
 def _sinks(case, seed: int = 5) -> torch.Tensor:
-    """One sink per query head around the rows' typical maxima (some above, some below): they change outputs and
-    decisions."""
+    """One sink per query head across the rows' score maxima (6 to 15 on these cases: some heads' sinks above them,
+    some below), so they change outputs and decisions."""
     g = torch.Generator().manual_seed(seed)
     hq = case.q.shape[1]
-    return (torch.linspace(-1.0, 4.0, hq) + 0.3 * torch.randn(hq, generator=g)).to(torch.float32)
+    return (torch.linspace(4.0, 16.0, hq) + 0.3 * torch.randn(hq, generator=g)).to(torch.float32)
 
 
 def _safe_log_lams(case, sinks, log_lam: float, softcap: float = 0.0) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_dense_with_sinks_matches_float64(backend, dtype):
     expected = dense_attention_f64(case, sinks)
     assert_close64(out, expected, dtype)
     assert_close64(oracle(case, None, sinks=sinks).out, expected, torch.float64)
-    assert (expected - dense_attention_f64(case)).abs().max() > 100 * TOL[dtype][0], "the sinks must change the output"
+    assert (expected - dense_attention_f64(case)).abs().max() > 10 * TOL[dtype][0], "the sinks must change the output"
 
 
 @pytest.mark.parametrize("backend", _backends())
