@@ -12,6 +12,8 @@ against the work GPU programs can skip, for decision rules applied in every laye
   p // B equal) only when every row of the block that visits the tile would drop it (AND), as a program of B rows
   can act on.
 - `gqa`: the AND over the query heads that share a KV head, per row (what one decode program can act on).
+- `RULE+winW` (a quality lever of issue #56, any rule above): a row never drops a tile that holds one of its own W
+  most recent keys (the diagonal tile always, with W <= 64), before the rule's AND; e.g. `gqa+win256`.
 
 For each rule and each λ of a sweep, one teacher-forced forward of the held-out text gives the perplexity, the
 row-level sparsity (the contract's count) and the share of (program, tile) pairs GPU programs of 64 and 128 rows and
@@ -42,6 +44,7 @@ logger = logging.getLogger("decision_quality")
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
 RULES = ("row", "block64", "block128", "gqa")
+WINDOW = "+win"
 PROGRAM_ROWS = (64, 128)
 
 
@@ -51,8 +54,30 @@ PROGRAM_ROWS = (64, 128)
 # gap over its visiting rows (all drop, or none does), the group rule the largest over the GQA group's heads.
 
 
+def split_rule(rule: str) -> tuple[str, int]:
+    """("gqa", 256) for "gqa+win256"; (rule, 0) without a window; blockB for any B >= 1. ValueError otherwise."""
+    base, _, window = rule.partition(WINDOW)
+    block = base.startswith("block") and base[len("block"):].isdigit() and int(base[len("block"):]) >= 1
+    if not (base in ("row", "gqa") or block) or (window and (not window.isdigit() or int(window) < 1)):
+        raise ValueError(f"unknown rule {rule!r}: one of {', '.join(RULES)}, optionally with {WINDOW}W (W >= 1 keys)")
+    return base, int(window or 0)
+
+
+def protect_window(gaps: torch.Tensor, window: int) -> torch.Tensor:
+    """Gaps [H, N, nt] with +inf (never dropped) on every visited tile holding one of row p's last `window` keys
+    (keys p - window + 1 .. p): tiles t with (t + 1) * TILE_K > p - window + 1."""
+    rows, tiles = gaps.shape[1], gaps.shape[2]
+    first_kept = (torch.arange(rows) - window + 1).clamp_min(0) // TILE_K  # [N]
+    recent = torch.arange(tiles)[None, :] >= first_kept[:, None]
+    protected = recent & visited_mask(rows, tiles)
+    return torch.where(protected.unsqueeze(0), torch.full_like(gaps, math.inf), gaps)
+
+
 def effective_gaps(rule: str, gaps: torch.Tensor, group: int) -> torch.Tensor:
     """Gaps [H, N, nt] of a prompt's rows 0..N-1 as the rule decides with them (same shape)."""
+    rule, window = split_rule(rule)
+    if window:
+        gaps = protect_window(gaps, window)
     if rule == "row":
         return gaps
     if rule == "gqa":
@@ -228,11 +253,16 @@ def merged(paths: list[Path]) -> dict:
 def table(results: dict, shares=(0.3, 0.4, 0.5, 0.6, 0.7)) -> str:
     """Perplexity change per rule at equal GPU work: prefill programs of 128 rows, and decode GQA groups."""
     lines = []
-    for key, what, rules in (("prog128", "prefill programs of 128 rows", ("row", "block64", "block128")),
-                             ("prog64", "prefill programs of 64 rows", ("row", "block64")),
-                             ("gqa", "decode GQA groups", ("row", "gqa")),
+    present = list(dict.fromkeys(r["rule"] for doc in results["docs"].values() for r in doc["rows"]))
+
+    def having(*bases):
+        return [r for r in present if split_rule(r)[0] in bases]
+
+    for key, what, rules in (("prog128", "prefill programs of 128 rows", having("row", "block64", "block128")),
+                             ("prog64", "prefill programs of 64 rows", having("row", "block64")),
+                             ("gqa", "decode GQA groups", having("row", "gqa")),
                              ("row", "row-tiles (the contract's count; what the CPU kernel saves in prefill)",
-                              ("row", "block64", "gqa"))):
+                              present)):
         lines += [f"\nPerplexity vs dense at equal skipped work of {what}:", "",
                   "| text | rule | " + " | ".join(f"skip {s:.1f}" for s in shares) + " |",
                   "|---|---|" + "---|" * len(shares)]
@@ -270,9 +300,11 @@ def main(argv=None) -> int:
         args.texts, args.ln_lambdas = "prose:1024", "-9,-6,-4"
     args.texts = [(s.split(":")[0], int(s.split(":")[1])) for s in args.texts.split(",")]
     args.rules = [r for r in args.rules.split(",") if r]
-    unknown = [r for r in args.rules if r not in RULES]
-    if unknown:
-        p.error(f"--rules: unknown {unknown}; choose from {', '.join(RULES)}")
+    for rule in args.rules:
+        try:
+            split_rule(rule)
+        except ValueError as e:
+            p.error(f"--rules: {e}")
     args.ln_lambdas = [float(x) for x in args.ln_lambdas.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     results = run(args)

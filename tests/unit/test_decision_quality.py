@@ -92,3 +92,30 @@ def test_block_and_group_rules_agree_within_their_unit(dq):
     assert group.sum() > 0 and torch.equal(group[:, 0], group[:, 1])
     shares = dq.skipped_shares(gaps, ln_lambda, 2)
     assert shares["row"][0] == int(row.sum()) and shares["prog64"][0] <= shares["row"][0]
+
+
+def test_window_lever_keeps_each_rows_recent_tiles(dq):
+    """`+winW`: a row never drops a tile holding one of its last W keys (its diagonal tile for any W), and otherwise
+    decides as its rule does; the window applies before the rule's AND, so a block or group keeps what any of its
+    rows protects. Unknown rules and windows are refused."""
+    q, k, v = _case(3)
+    s = torch.matmul(q, k.repeat_interleave(2, dim=0).transpose(1, 2)) * q.shape[-1] ** -0.5
+    n = q.shape[1]
+    s.masked_fill_(torch.arange(n)[None, :] > torch.arange(n)[:, None], -math.inf)
+    gaps = dq.score_gaps(torch.nn.functional.pad(s, (0, -n % TILE_K), value=-math.inf), torch.arange(n))
+    ln_lambda = math.log(0.6)
+    row = dq.drops(gaps, ln_lambda)
+    for window in (1, 200):
+        windowed = dq.drops(dq.effective_gaps(f"row+win{window}", gaps, 2), ln_lambda)
+        for p in (70, 700, n - 1):
+            recent = range(max(0, p - window + 1) // TILE_K, p // TILE_K + 1)
+            assert not windowed[:, p, list(recent)].any()
+            older = [t for t in range(1, p // TILE_K + 1) if t not in recent]
+            assert torch.equal(windowed[:, p, older], row[:, p, older])
+        assert windowed.sum() > 0 and not (windowed & ~row).any()
+    group = dq.drops(dq.effective_gaps("gqa+win200", gaps, 2), ln_lambda)
+    assert not (group & ~dq.drops(dq.effective_gaps("gqa", gaps, 2), ln_lambda)).any()
+    for bad in ("rows", "gqa+win0", "gqa+winx", "block+win64"):
+        with pytest.raises(ValueError, match="unknown rule"):
+            dq.split_rule(bad)
+    assert dq.split_rule("block64+win256") == ("block64", 256)
