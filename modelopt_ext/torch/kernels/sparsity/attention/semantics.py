@@ -179,9 +179,13 @@ def checked_sinks(sinks, num_heads: int, device) -> torch.Tensor | None:
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be None or a [Hq] float tensor (one logit per query head), got {type(sinks).__name__}")
+        raise TypeError(
+            f"sinks must be None or a [Hq] float tensor (one logit per query head), got {type(sinks).__name__}"
+        )
     if sinks.dim() != 1 or sinks.shape[0] != num_heads:
-        raise ValueError(f"sinks must have shape [Hq]=[{num_heads}] (one logit per query head), got {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must have shape [Hq]=[{num_heads}] (one logit per query head), got {tuple(sinks.shape)}"
+        )
     if not sinks.is_floating_point():
         raise TypeError(f"sinks must be a float tensor, got {sinks.dtype}")
     out = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
