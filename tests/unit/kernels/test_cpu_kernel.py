@@ -5,7 +5,8 @@ test_skip_softmax_semantics.py: outputs within the stated tolerances of the floa
 what only a compiled kernel can get wrong: every dtype it compiles (fp32, bf16, fp16), vLLM's CPU cache layout
 read in place (K transposed per block and head) beside the other layouts, page sizes that do and do not take the
 in-place path, GQA group sizes that leave partial micro-kernel blocks, stale NaN/inf past kv_len in every layout,
-key splits of long decode rows, thread-count invariance (bitwise) and the dispatch of `backend="auto"`.
+key splits of long decode rows, thread-count invariance (bitwise), the dispatch of `backend="auto"`, and attention
+sinks (version 3) on every path test_sinks.py does not reach: the bf16 engines, vLLM's `amx` layout, key splits.
 Thresholds are nudged away from decision boundaries (`safe_lambdas`), so counts must match exactly.
 """
 
@@ -22,7 +23,9 @@ import pytest
 import torch
 from skip_attention_helpers import (
     LAYOUTS,
+    backend_law,
     dense_attention_f64,
+    gather_dense,
     log_lams_tensor,
     logical,
     make_case,
@@ -643,3 +646,142 @@ def test_vllm_amx_cache_layout_in_the_reference_and_auto():
     with pytest.raises(RuntimeError, match="amx layout"):
         run(f32, "cpu")
     close(run(f32, "auto")[0], dense_attention_f64(f32), torch.float32)
+
+
+def _sinks_near_the_anchor(case, offsets=(-3.0, 0.5, 3.0)) -> torch.Tensor:
+    """Attention sinks (float32 [Hq]) around each head's typical tile-0 max (the median over the rows of the max
+    scaled score of keys 0..63), offset per head by `offsets` in turn: some heads' sinks sit below their rows'
+    anchors, some above (those raise the reference max and dominate the denominator)."""
+    hq = case.q.shape[1]
+    group = hq // logical(case.k_cache).shape[2]
+    anchors = [[] for _ in range(hq)]
+    for b in range(case.batch):
+        q0, ql, kv = int(case.cu_seqlens_q[b]), case.q_lens[b], case.kv_lens[b]
+        if ql == 0:
+            continue
+        k = gather_dense(case.k_cache, case.block_table[b], min(kv, 64))
+        q = case.q[q0 : q0 + ql].to(torch.float64)
+        pos = kv - ql + torch.arange(ql)
+        for h in range(hq):
+            s = case.scale * q[:, h] @ k[:, h // group].T
+            s = s.masked_fill(torch.arange(k.shape[0])[None, :] > pos[:, None], -math.inf)
+            anchors[h].append(s.amax(-1))
+    med = torch.stack([torch.cat(a).median() for a in anchors])
+    return (med + torch.tensor([offsets[h % len(offsets)] for h in range(hq)], dtype=torch.float64)).float()
+
+
+def _sink_log_lams(case, sinks, log_lam: float, vec=None) -> torch.Tensor:
+    """ln λ [B, 1] off every tile statistic with the sinks (of `vec`, the same K/V in the `vec` layout, if given)."""
+    stats = oracle(vec if vec is not None else case, None, sinks=sinks).tile_stats
+    return torch.tensor([[safe_log_lambda(log_lam, stats[b])] for b in range(case.batch)], dtype=torch.float64)
+
+
+def _check_sinks(case, sinks, log_lam, dtype, vec=None):
+    """Serving (exact counts, output), dense and calibration with sinks against the float64 oracle (computed on
+    `vec`, the same K/V in the `vec` layout, where given); the sinks must change decisions and outputs. Returns
+    (serving output, counts, dense output, calibration output) for bitwise comparisons."""
+    ref_case = vec if vec is not None else case
+    log_lams = _sink_log_lams(case, sinks, log_lam, vec)
+    expected = oracle(ref_case, log_lams, sinks=sinks)
+    out, counts = run(case, "cpu", skip_threshold=log_lams[:, 0].exp().float(), counts=True, sinks=sinks)
+    assert torch.equal(counts, expected.counts) and counts[..., 1].sum() > 0
+    close(out, expected.out, dtype)
+    assert not torch.equal(expected.counts, oracle(ref_case, log_lams).counts), "the sinks must change decisions"
+    dense, _ = run(case, "cpu", sinks=sinks)
+    expected_dense = dense_attention_f64(ref_case, sinks)
+    close(dense, expected_dense, dtype)
+    atol = TOL[dtype][0]
+    assert (expected_dense - dense_attention_f64(ref_case)).abs().max() > 20 * atol, "the sinks must change outputs"
+    stats = oracle(ref_case, None, sinks=sinks).tile_stats
+    trials = [math.exp(safe_log_lambda(x, torch.cat(stats))) for x in (-3.0, log_lam, -0.3)]
+    out_cal, cal = run(case, "cpu", trials=trials, sinks=sinks)
+    expected_cal = oracle(ref_case, torch.log(torch.tensor(trials, dtype=torch.float64)).expand(case.batch, -1),
+                          calibrate=True, sinks=sinks)  # fmt: skip
+    assert torch.equal(cal, expected_cal.counts)
+    assert torch.equal(out_cal, dense), "calibration output is the dense output"
+    return out, counts, dense, out_cal
+
+
+# prefill rows (one chunk after a prefix, over several row blocks and past a split: walked in order, each split's
+# reference max seeded with the anchor and the sink), a decode row past two splits (parallel key splits, merged),
+# a short chunk, decode rows at tile and page boundaries
+SINK_Q_LENS, SINK_KV_LENS = [200, 1, 3, 1, 1, 40], [2300, 2 * SPLIT_TOKENS + 300, 70, 64, 33, 40]
+
+
+def test_sinks_on_every_bf16_engine(bf16_path):
+    """Attention sinks in bf16 on each engine (AMX tiles, VDPBF16PS, fp32 vectors), `vec` layout with stale NaN/inf
+    past kv_len: prefill items on the packed pairs (their lazy rescale starts from the sink), decode items, key
+    splits. Exact counts, outputs within bf16 tolerance of the float64 oracle, serving, dense and calibration."""
+    case = make_case(SINK_Q_LENS, SINK_KV_LENS, hq=6, hkv=2, d=64, page=16, layout="cpu_t", dtype=torch.bfloat16,
+                     seed=54)  # fmt: skip
+    for b, kv in enumerate(SINK_KV_LENS):
+        if kv % 16:
+            last = int(case.block_table[b, math.ceil(kv / 16) - 1])
+            case.k_cache[last, kv % 16 :] = math.nan
+            case.v_cache[last, kv % 16 :] = math.inf
+    _check_sinks(case, _sinks_near_the_anchor(case), -1.0, torch.bfloat16)
+
+
+def test_sinks_in_fp32_and_fp16_across_splits():
+    """The same with fp32 and fp16 on the vector path (fp32 at its tight tolerance)."""
+    for dtype in (torch.float32, torch.float16):
+        case = make_case(SINK_Q_LENS, SINK_KV_LENS, hq=6, hkv=2, d=64, page=32, layout="cpu_t", dtype=dtype, seed=55)
+        _check_sinks(case, _sinks_near_the_anchor(case), -1.0, dtype)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(6, 2, 64, 32), (8, 1, 128, 64)], ids=["gqa3", "gqa8-mqa"])
+def test_sinks_on_the_vllm_amx_layout(bf16_path, hq, hkv, d, page):
+    """Sinks on vLLM's `amx` layout read in place, with NaN/inf past kv_len and in unused pages: decode rows of 3
+    and 8 heads per KV head (on AMX tiles: decode_tiles; at 8 also the pipelined tile path for the short chunk),
+    key splits, prefill on the packed path. Counts exact and outputs within bf16 tolerance of the float64 oracle;
+    bitwise the results of the same K/V in the `vec` layout on the same engine (serving, dense, calibration)."""
+    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=56)
+    case = make_case(SINK_Q_LENS, SINK_KV_LENS, layout="cpu_amx", **kw)
+    vec = make_case(SINK_Q_LENS, SINK_KV_LENS, layout="cpu_t", **kw)
+    _poison_amx_case(case, page)
+    sinks = _sinks_near_the_anchor(vec)
+    results = _check_sinks(case, sinks, -1.0, torch.bfloat16, vec=vec)
+    results_vec = _check_sinks(vec, sinks, -1.0, torch.bfloat16)
+    for a, b in zip(results, results_vec, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sinks_with_climbing_scores_rescale_past_the_sink(bf16_path):
+    """Scores that climb about 64 per tile (to about 200) with sinks from far below to far above them: rows start
+    their online softmax at the sink and raise it (on the packed paths only past sink + 8, the lazy rescale), or
+    never reach it (a sink above every score: the output is nearly zero). Finite outputs within bf16 tolerance of
+    the float64 oracle, on the `amx` layout (decode_tiles on AMX tiles) and on the `vec` layout (prefill too)."""
+    hq, hkv, page = 6, 2, 32
+    sinks = torch.tensor([-30.0, 5.0, 70.0, 140.0, 190.0, 260.0])
+    kw = dict(hq=hq, hkv=hkv, d=64, page=page, dtype=torch.bfloat16, seed=57)
+    for layout, q_lens, kv_lens in (("cpu_amx", [1, 2, 1], [200, 130, 70]), ("cpu_t", [200, 1, 70], [200, 150, 70])):
+        case = make_case(q_lens, kv_lens, layout=layout, **kw)
+        _climb_keys(case, page)
+        dense, _ = run(case, "cpu", sinks=sinks)
+        assert torch.isfinite(dense).all()
+        close(dense, dense_attention_f64(case, sinks), torch.bfloat16)
+        lam = torch.full((case.batch,), 0.05)
+        out, counts = run(case, "cpu", skip_threshold=lam, counts=True, sinks=sinks)
+        ref = oracle(case, log_lams_tensor(lam, case.batch), sinks=sinks)
+        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, layout
+        close(out, ref.out, torch.bfloat16)
+
+
+def test_sinks_through_the_launcher_and_bad_sinks():
+    """`kernel_launcher("cpu")` (the vLLM plugin's launch) with sinks gives bitwise the public entry's result, and
+    without them bitwise the sinkless one; the op refuses sinks that are not a contiguous float32 [Hq] tensor."""
+    case = make_case([40, 1], [40, 300], hq=4, hkv=2, d=32, page=16, layout="cpu_t", seed=58)
+    sinks = _sinks_near_the_anchor(case)
+    log_lams = _sink_log_lams(case, sinks, -1.0)
+    lam = log_lams[:, 0].exp().float()
+    launch = api.kernel_launcher("cpu")
+    law = backend_law(case, log_lams_tensor(lam, case.batch))
+    for s in (sinks, None):
+        out = torch.empty_like(case.q)
+        counts = launch(*case.args(), softmax_scale=case.scale, calibrate=False, out=out, sinks=s, **law)
+        expected, expected_counts = run(case, "cpu", skip_threshold=lam, counts=True, sinks=s)
+        assert torch.equal(out, expected) and torch.equal(counts, expected_counts)
+    for bad in (sinks.double(), sinks[:3], torch.stack([sinks, sinks], 1)[:, 0]):
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            launch(*case.args(), softmax_scale=case.scale, calibrate=False, out=torch.empty_like(case.q), sinks=bad,
+                   **law)  # fmt: skip

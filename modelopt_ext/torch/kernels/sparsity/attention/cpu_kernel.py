@@ -1,4 +1,4 @@
-"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 2).
+"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 3).
 
 The kernel is C++: one compiled file, `csrc/skip_softmax_cpu.cpp`, and the headers beside it (`csrc/*.h`, one per
 instruction-set path), built with `torch.utils.cpp_extension.load` (g++ and ninja) the first time it is needed and
@@ -241,6 +241,7 @@ def paged_skip_softmax_attention_cpu(
     counts: torch.Tensor | None = None,
     totals: tuple[torch.Tensor, torch.Tensor] | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Compiled CPU backend (same arguments and result as the reference backend).
 
@@ -250,6 +251,7 @@ def paged_skip_softmax_attention_cpu(
     cover all T trials, else T == 1 and each row's drops are applied.
     `counts`: optional contiguous int64 [B, T, 2] buffer the kernel zeroes and fills (no allocation per call).
     `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax.
+    `sinks`: None or the attention sinks as a contiguous float32 [Hq] CPU tensor (`semantics.checked_sinks`).
     `totals`: optional (phase index [>= B] int64, totals [phases, 2] int64): trial 0's counts of sequence b are also
     added into totals[phase[b]] (serving statistics, inside the op). Returns counts [B, T, 2] int64 or None.
     """
@@ -257,25 +259,27 @@ def paged_skip_softmax_attention_cpu(
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {reason}")
     phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)
-    result = op(
+    args = (
         q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k), float(softmax_scale),
         log_sf, gamma, _int32(prompt_lens), bool(calibrate), out, counts if log_sf is not None else None,
         phase_index, phase_totals, float(softcap),
-    )
+    )  # fmt: skip
+    result = op(*args) if sinks is None else op(*args, sinks)
     return result if log_sf is not None else None
 
 
 def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, counts=None, totals=None, max_seqlen_k=None, workspace=None,
-               decode_only=False, softcap=0.0, op=None):  # fmt: skip
+               decode_only=False, softcap=0.0, sinks=None, op=None):  # fmt: skip
     """The launch without conversions (the vLLM plugin's plan holds int32 contiguous tensors and float32 laws):
     one call of the compiled op. Same arguments as `paged_skip_softmax_attention_cpu`; `op` launches another build of
     the op with the same schema instead of this one (`bench_cpu.py --baseline-rev`: old and new then pay the same
-    launch cost)."""
+    launch cost; without sinks the call passes no `sinks` argument, so builds older than sinks take it too)."""
     op = op or _state.get("op") or _load()[0]
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {unavailable_reason()}")
     phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)
-    result = op(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale, log_sf, gamma, prompt_lens,
-                calibrate, out, counts if log_sf is not None else None, phase_index, phase_totals, softcap)
+    args = (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale, log_sf, gamma, prompt_lens,
+            calibrate, out, counts if log_sf is not None else None, phase_index, phase_totals, softcap)  # fmt: skip
+    result = op(*args) if sinks is None else op(*args, sinks)
     return result if log_sf is not None else None

@@ -322,6 +322,7 @@ struct Params {
   int64_t so0, so1, so2;
   float scale;
   float softcap;  // > 0: scores are cap * tanh(s / cap) before the skip test and the softmax
+  const float* sinks;  // [Hq] attention-sink logits (scaled-score units, never capped), or null: none
   const float* log_sf;  // [B, T, 2] or null (dense, no counts)
   const float* gamma;   // [B, 2]
   bool calibrate;
@@ -367,8 +368,8 @@ using lines = std::vector<E, LineAligned<E>>;
 
 struct Scratch {
   // l: each row's softmax denominator as kLanes partial sums (summed once per item, not once per tile);
-  // g: each row's max over the current tile (scores()).
-  lines<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g;
+  // g: each row's max over the current tile (scores()); sink: each row's head sink (only with sinks).
+  lines<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g, sink;
   std::vector<int32_t> pos, kept_m;
   lines<unsigned char> kbuf, vbuf;
   std::vector<const void*> vrow;

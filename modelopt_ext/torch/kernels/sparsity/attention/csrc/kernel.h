@@ -89,6 +89,7 @@ class Kernel {
       }
       if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
     }
+    if (p.sinks != nullptr) seed_sinks(it, sc, M);
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (sc.packed) prepare_packed(it, sc, M);
     }
@@ -105,6 +106,9 @@ class Kernel {
       const int m_lo = first_active(sc, M, 0);
       scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
       std::copy(sc.g.begin() + m_lo, sc.g.begin() + M, sc.g0.begin() + m_lo);
+      if (p.sinks != nullptr) {  // the sink joins every split's anchor
+        for (int m = m_lo; m < M; ++m) sc.g0[m] = std::max(sc.g0[m], sc.sink[m]);
+      }
     }
     // Software pipeline: stage A of tile t (scores and decisions) runs before stage B of tile t - 1 (exp, P·V), and
     // A's score loop prefetches the K of tile t + 1 (on AMX tiles also the V rows tile t - 1 kept), so memory
@@ -203,12 +207,28 @@ class Kernel {
  private:
   const Params& p_;
 
+  // Attention sinks (docs/skip_softmax.md "The softmax with a sink"): row m's head sink, for the anchor (decide,
+  // the split anchor); the item holding tile 0 seeds the online softmax with m = sink, l = 1 (one partial-sum lane),
+  // so the sink joins the denominator once and the output never. Probabilities stay <= e^kLazyRescale on the packed
+  // path: a tile raises the max past the sink exactly as past an earlier tile. Later splits start from -inf, 0.
+  void seed_sinks(const Item& it, Scratch& sc, int M) const {
+    const int group = static_cast<int>(p_.group);
+    const float* sk = p_.sinks + static_cast<int64_t>(it.kvh) * group;
+    sc.sink.resize(M);
+    for (int m = 0; m < M; ++m) sc.sink[m] = sk[m % group];
+    if (it.split > 0) return;
+    for (int m = 0; m < M; ++m) {
+      sc.mx[m] = sc.sink[m];
+      sc.l[static_cast<size_t>(m) * kLanes] = 1.f;
+    }
+  }
+
   // Row m's decision for tile t (docs/skip_softmax.md): tile 0 seeds the reference max; later tiles compare the
   // tile max g with it, count every trial's drop and keep the tile unless trial 0 drops it (calibration keeps all).
   __attribute__((always_inline)) bool decide(Scratch& sc, int t, int m, float g) const {
     const Params& p = p_;
     if (t == 0) {
-      sc.g0[m] = g;
+      sc.g0[m] = p.sinks != nullptr ? std::max(g, sc.sink[m]) : g;  // the anchor holds the head's sink too
       sc.srun[m] = g;
       return true;
     }

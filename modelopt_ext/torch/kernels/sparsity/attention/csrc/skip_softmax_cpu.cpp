@@ -1,4 +1,4 @@
-// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 2).
+// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 3).
 //
 // One work item is (sequence, KV head, block of query rows[, key split]). Its rows are the (query row, query head)
 // pairs of the block that share the KV head (GQA), m = r * group + h. For each key tile of 64 keys (aligned to
@@ -21,6 +21,8 @@
 // torch's intra-op pool (at::parallel_for over thread slots). Sequences with a single row block are also split
 // along the key axis at SPLIT_TOKENS boundaries (decode); each split decides exactly as the sequential loop would
 // (the reference max restarts at each split, seeded with tile 0) and partial softmax states are merged at the end.
+// Attention sinks (optional, one logit per query head) join every row's reference max and, once (the item holding
+// tile 0), its softmax denominator (Kernel::seed_sinks); the merge is unchanged.
 //
 // Layout of the source: this file holds the work-item scheduling (run), the op (argument checks, dispatch by
 // dtype and engine) and its registration; it is the one compiled file. The headers beside it hold, by
@@ -131,7 +133,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& prompt_lens, bool calibrate, at::Tensor out,
                                   const std::optional<at::Tensor>& counts_out,
                                   const std::optional<at::Tensor>& phase_index,
-                                  const std::optional<at::Tensor>& phase_totals, double softcap) {
+                                  const std::optional<at::Tensor>& phase_totals, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
   const bool vnni = k_cache.dim() == 6;
   TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || vnni) && v_cache.dim() == k_cache.dim() && out.dim() == 3,
@@ -227,6 +230,13 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(softcap >= 0.0, "skip_softmax_attention: softcap must be >= 0 (0: off)");
   p.softcap = static_cast<float>(softcap);
   p.calibrate = calibrate;
+  if (sinks.has_value()) {  // as semantics.checked_sinks gives them: no conversion here
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == p.Hq,
+                "skip_softmax_attention: sinks must be a contiguous float32 CPU tensor [Hq] (one logit per query "
+                "head)");
+    p.sinks = sinks->data_ptr<float>();
+  }
   p.kc = p.page % 32 == 0 || p.sk1 != 1 ? 32 : 16;
   p.k_direct = !vnni && p.sk1 == 1 && p.page % p.kc == 0;
   p.v_direct = !vnni && p.sv3 == 1;
@@ -315,7 +325,8 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
   m.def(
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
-      "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, float softcap=0.0) -> Tensor");
+      "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, "
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
   m.def("bf16_dot(bool? enable=None) -> bool", &bf16_dot);
 }
