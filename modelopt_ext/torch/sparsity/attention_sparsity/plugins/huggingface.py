@@ -6,9 +6,12 @@ transformers' own sdpa path unchanged; an enabled module turns HF's K/V (`[B, Hk
 into paged views and calls the same `paged_skip_softmax_attention` kernel the vLLM plugin serves with, so HF
 calibration counts are the counts vLLM serving skips.
 
+Logit soft-capping (Gemma 2's `softcap`) and attention sinks (gpt-oss: transformers passes the module's `sinks` as
+`s_aux`) are applied by the kernels. A disabled module whose model passes sinks takes a dense path with the sinks
+(transformers' sdpa function would drop them), so disabling a layer never changes its attention.
+
 Not supported (clear errors naming the model / attention class): padded batches or any mask other than plain
-causal, sliding window, attention sinks, non-causal attention, attention dropout, paged caches (logit soft-capping is
-applied by the kernels).
+causal, sliding window, non-causal attention, attention dropout, paged caches.
 """
 
 from __future__ import annotations
@@ -189,8 +192,10 @@ def check_module_supported(module: nn.Module, hf_config: Any = None) -> None:
             f"{cls}: sliding-window attention (window {sliding}) is not supported; disable sparse attention for "
             "these layers (mtsa.disable_sparse_attention(model, pattern)) or use a full-attention model"
         )
-    if getattr(module, "sinks", None) is not None:
-        raise UnsupportedModelError(f"{cls}: attention sinks are not supported")
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.is_floating_point()):
+        raise UnsupportedModelError(f"{cls}: attention sinks must be a 1-D float tensor (one logit per query head), "
+                                    f"got {type(sinks).__name__}")  # fmt: skip
 
 
 def _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs) -> None:
@@ -199,8 +204,7 @@ def _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs) 
         raise UnsupportedModelError(f"{where}: attention dropout ({dropout}) is not supported; call model.eval()")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise UnsupportedModelError(f"{where}: non-causal attention is not supported by skip-softmax attention")
-    for kw, what in (("sliding_window", "sliding-window attention"), ("s_aux", "attention sinks"),
-                     ("position_bias", "position-bias attention")):  # fmt: skip
+    for kw, what in (("sliding_window", "sliding-window attention"), ("position_bias", "position-bias attention")):
         if kwargs.get(kw) is not None:
             raise UnsupportedModelError(f"{where}: {what} is not supported by skip-softmax attention")
     if kwargs.get("cache") is not None:
@@ -258,13 +262,67 @@ def skip_softmax_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, Hq, q, D], key/value [B, Hkv, kv, D] -> ([B, q, Hq, D], None)."""
     state: SparseAttentionState | None = getattr(module, STATE_ATTR, None)
+    sinks = _sinks_of(module, kwargs)
     if state is None or not state.enabled:
+        if sinks is not None:  # transformers' sdpa function ignores `s_aux`: the sinks' own dense path
+            return dense_attention_with_sinks(module, query, key, value, attention_mask, sinks, dropout=dropout,
+                                              scaling=scaling, softcap=kwargs.get("softcap")), None  # fmt: skip
         return _sdpa_forward()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     _check_call(module, query, key, attention_mask, dropout, is_causal, kwargs)
-    out, counts = run_skip_softmax(state, query, key, value, scaling, softcap=kwargs.get("softcap"))
+    out, counts = run_skip_softmax(state, query, key, value, scaling, softcap=kwargs.get("softcap"), sinks=sinks)
     return out, None
+
+
+def _sinks_of(module: nn.Module, kwargs: dict) -> torch.Tensor | None:
+    """The attention sinks of this call: transformers' `s_aux` keyword (gpt-oss passes its `sinks` so), else the
+    module's own `sinks` parameter; None for a model without sinks."""
+    sinks = kwargs.get("s_aux")
+    return sinks if sinks is not None else getattr(module, "sinks", None)
+
+
+def dense_attention_with_sinks(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Dense attention whose softmax denominator also holds one sink logit per query head (docs/skip_softmax.md,
+    "The softmax with a sink"), for modules that do not run sparse: query [B, Hq, q, D], key/value [B, Hkv, kv, D],
+    `attention_mask` as the sdpa mask builder makes it (boolean: True = attend; additive float; None: causal,
+    queries the last q positions) -> [B, q, Hq, D]. Scores are soft-capped (never the sinks) when `softcap` is set."""
+    batch, hq, q_len, d = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    if hq % hkv:
+        raise UnsupportedModelError(f"{_where(module)}: {hq} query heads do not group over {hkv} KV heads")
+    if sinks.shape != (hq,):
+        raise UnsupportedModelError(f"{_where(module)}: sinks of shape {tuple(sinks.shape)}, expected [{hq}]")
+    group = hq // hkv
+    k = key.repeat_interleave(group, dim=1)
+    v = value.repeat_interleave(group, dim=1)
+    scale = float(scaling) if scaling is not None else d**-0.5
+    scores = torch.matmul(query, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is None:
+        rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (kv_len - q_len)
+        attention_mask = torch.arange(kv_len, device=query.device).unsqueeze(0) <= rows
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask.to(scores.dtype)
+    sink_col = sinks.to(scores.dtype).view(1, hq, 1, 1).expand(batch, hq, q_len, 1)
+    probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    if dropout and module.training:
+        probs = nn.functional.dropout(probs, p=dropout)
+    return torch.matmul(probs.to(value.dtype), v).transpose(1, 2).contiguous()
 
 
 _PROMPT: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("modelopt_ext_prompt", default=None)
@@ -293,9 +351,11 @@ def run_skip_softmax(
     value: torch.Tensor,
     scaling: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Call the kernel on HF-layout tensors; returns ([B, q, Hq, D], counts or None) and records stats/calibration.
-    `softcap`: the model's logit soft-cap (transformers passes Gemma 2's `attn_logit_softcapping` as `softcap`)."""
+    `softcap`: the model's logit soft-cap (transformers passes Gemma 2's `attn_logit_softcapping` as `softcap`);
+    `sinks`: the module's attention sinks ([Hq], gpt-oss's `s_aux`), in the softmax denominator and the skip test."""
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     prompt = _PROMPT.get()
@@ -314,7 +374,8 @@ def run_skip_softmax(
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * q_len
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     prompt_lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
-    common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens, logits_soft_cap=softcap)
+    common = dict(softmax_scale=scale, backend=state.backend, prompt_lens=prompt_lens, logits_soft_cap=softcap,
+                  sinks=sinks)
     if state.collector is not None:
         if state.collector.law is None:
             # Trials as scale factors with ModelOpt's law (γ = 1): λ_t = sf_t / n for every row of both phases.
