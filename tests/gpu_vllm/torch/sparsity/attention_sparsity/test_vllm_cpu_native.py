@@ -129,15 +129,20 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
         torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
 
 
-def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
+@pytest.mark.parametrize("sinks,kernel", [(False, "auto"), (True, "auto"), (True, "torch")],
+                         ids=["plain", "sinks", "sinks-reference"])  # fmt: skip
+def test_sparse_cpu_impl_writes_natively_and_matches_native_forward(sinks, kernel):
     """The sparse impl (calibrate mode: dense output) on a real CPU Attention layer vs the native impl; the sparse
-    run's metadata comes from the sparse CPU builder (vLLM's real CPU build, with its C++ scheduler metadata)."""
+    run's metadata comes from the sparse CPU builder (vLLM's real CPU build, with its C++ scheduler metadata).
+    With attention sinks (gpt-oss), vLLM's C++ kernel takes them as `s_aux` and ours as `sinks`: the same output."""
     from vllm_plugin_testlib import build_metadata, engine_config, make_builder, new_layer
 
     page, dim, dtype = 32, 64, torch.float32
     b = _batch(page, dim, dtype)
     cfg = engine_config()
-    layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim, prefix="cpu_native.attn")
+    extra = {"sinks": torch.tensor([4.0, -1.0, 1.5, 0.0])} if sinks else {}
+    layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim,
+                      prefix=f"cpu_native.{'sinks.' if sinks else ''}{kernel}.attn", **extra)  # fmt: skip
     md = cpu_attn.CPUAttentionMetadata(
         num_actual_tokens=int(b.qsl[-1]),
         max_query_len=max(b.q_lens),
@@ -168,9 +173,11 @@ def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
     for install in (False, True):
         kv_cache = torch.zeros(b.nb, 2, page, 2 * dim, dtype=dtype)
         if install:
-            plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0])
+            plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0],
+                                          backend=kernel, strict=True)  # fmt: skip
             md = build_metadata(make_builder(cfg, [layer], page=page), step)
             assert layer.impl._modelopt_sparse.isa in ("vec", "vec16")  # chosen by vLLM's CPU builder
+            assert (layer.impl._modelopt_sparse.sinks is not None) == sinks
         out = torch.full_like(b.q, math.nan)
         layer.impl.do_kv_cache_update(layer, b.k, b.v, kv_cache, b.slots)  # all tokens: prefix + new
         layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)
@@ -178,6 +185,12 @@ def test_sparse_cpu_impl_writes_natively_and_matches_native_forward():
     assert type(layer.impl) is plug.ModelOptSparseCPUAttentionImpl
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
     assert plug.collect_calibration_records([layer])[0]["kv_lens"].tolist() == b.kv_lens
+    if sinks:  # the comparison sees the sinks
+        plug.uninstall_sparse_attention([layer])
+        layer.impl.sinks = None
+        out = torch.full_like(b.q, math.nan)
+        layer.impl.forward(layer, b.q, None, None, kv_cache, md, output=out)
+        assert (out - outputs[0]).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------------------------

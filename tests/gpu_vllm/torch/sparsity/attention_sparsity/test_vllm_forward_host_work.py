@@ -12,7 +12,9 @@ Outputs are checked against the public entry point on the same inputs (float32, 
 
 from __future__ import annotations
 
+import inspect
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -88,6 +90,25 @@ def test_forward_launches_without_host_sync_or_allocation(backend, kernel, q_len
     """`own_targets`: every request sets its own target (issue #28): per-row laws, and each layer also adds its
     counts into the requests' slots."""
     layer = make_layer(backend, num_heads=HQ, num_kv_heads=HKV, head_size=D)
+    _check_forward(layer, backend, kernel, q_lens, own_targets)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
+def test_sink_layer_forward_launches_without_host_sync_or_allocation(backend, make_layer):
+    """A layer with attention sinks (gpt-oss) stored in the model's dtype (bfloat16): the float32 sinks the kernel
+    takes were made at install, so its forward adds no host work either (compiled CPU kernel)."""
+    if "sinks" not in inspect.signature(cpu_kernel.launch_cpu).parameters:
+        pytest.skip("the compiled CPU kernel's launch takes no sinks yet")
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    sinks = torch.nn.Parameter(torch.tensor([3.0, -1.0, 0.5, 2.0], dtype=torch.bfloat16), requires_grad=False)
+    layer = make_layer(backend, num_heads=HQ, num_kv_heads=HKV, head_size=D, sinks=sinks)
+    # vLLM's FlashInfer builder asks whether TRT-LLM attention (its sink path) runs on this GPU: yes, here
+    with mock.patch.object(FlashInferBackend, "supports_sink", classmethod(lambda cls: True)):
+        _check_forward(layer, backend, "cpu", [1, 6, 1], True, sinks=sinks.float())
+
+
+def _check_forward(layer, backend, kernel, q_lens, own_targets, sinks=None):
     kv_lens = [150, 2200, 90] if kernel == "triton" else [150, 200, 90]  # Triton: a second split (its workspace)
     runner = _runner(q_lens, kv_lens) if own_targets else None
     plug.install_sparse_attention([layer], _settings(), backend=kernel, model_runner=runner)
@@ -115,6 +136,7 @@ def test_forward_launches_without_host_sync_or_allocation(backend, kernel, q_len
     expected = paged_skip_softmax_attention(
         batch.q, kc, vc, batch.block_table, batch.query_start_loc, batch.seq_lens, softmax_scale=D**-0.5,
         log_scale_factors=torch.full((len(q_lens), 2), math.log(SF)), prompt_lens=plan.prompt_lens, backend=kernel,
+        sinks=sinks,
     )  # fmt: skip
     torch.testing.assert_close(output[:n].view(n, HQ, D), expected, atol=1e-6 if kernel == "cpu" else 2e-5, rtol=0)
     assert bool(torch.isnan(output[n:]).all()), "rows past num_actual_tokens stay untouched"

@@ -217,10 +217,10 @@ def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeyp
     ]
 
 
-def test_engine_config_predicts_gpt_oss_sinks_and_sliding_layers(tmp_path, monkeypatch, caplog):
+def test_engine_config_predicts_only_gpt_oss_sliding_layers_dense(tmp_path, monkeypatch, caplog):
     """A real gpt-oss engine config (a tiny config.json from transformers' GptOssConfig, no weights): every layer has
-    learned sinks (vLLM's gpt_oss.py) and every other layer a sliding window, both said before any weight loads; no
-    layer can be sparse, so the engine says so once and serves dense."""
+    learned sinks (vLLM's gpt_oss.py), which the kernels take, so only its sliding-window layers (every other one)
+    are said to stay dense before any weight loads, with their own reason; the full-attention layers go sparse."""
     import json
 
     from transformers import GptOssConfig
@@ -235,13 +235,13 @@ def test_engine_config_predicts_gpt_oss_sinks_and_sliding_layers(tmp_path, monke
     config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"))
     monkeypatch.delenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", raising=False)
     assert checks.predicted_dense_layers(config) == [
-        (checks.EVERY_LAYER, "attention sinks are not supported"),
         ("2 of 4 attention layers (0, 2: sliding_attention)", "sliding window 128 is not supported"),
     ]
+    assert checks.predicted_startup_problems(config) == []
     with caplog.at_level(logging.WARNING, logger="modelopt_ext"):
         checks.check_engine_config(config)
-    said = [r.getMessage() for r in caplog.records if "sinks" in r.getMessage()]
-    assert len(said) == 1, said
+    said = [r.getMessage() for r in caplog.records if "served dense by vLLM's own backend" in r.getMessage()]
+    assert len(said) == 1 and "2 of 4 attention layers" in said[0] and "sinks" not in said[0], said
 
 
 def test_engine_config_predicts_a_head_size_the_triton_kernel_does_not_cover(vllm_config, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 
 from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
 from .backends import native_backend_of
-from .compat import cache_layout_problem, cpu_attn_isa, vllm_facts
+from .compat import cache_layout_problem, cpu_attn_isa, sinks_problem, vllm_facts
 from .env import ENV_ENABLE, ENV_STRICT, kernel_backend_choice, sparse_attention_enabled, strict_mode
 from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
 from .kernel_pages import kernel_page_problem
@@ -85,8 +85,9 @@ def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
     attn_type = str(getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder")))
     if attn_type.lower().rsplit(".", 1)[-1] != "decoder":
         reasons.append(f"attention type {attn_type!r} (encoder / cross attention) is not supported")
-    if getattr(impl, "sinks", None) is not None or getattr(layer, "has_sink", False):
-        reasons.append("attention sinks are not supported")
+    sinks = sinks_problem(native, impl, layer)
+    if sinks is not None:
+        reasons.append(sinks)
     window = getattr(impl, "sliding_window", None)
     if window not in (None, -1, (-1, -1)) or getattr(layer, "sliding_window", None) is not None:
         reasons.append(f"sliding window {window} is not supported")
@@ -179,9 +180,9 @@ def predicted_startup_problems(vllm_config) -> list[str]:
 
 def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
     """`(which layers, why)` the engine config alone says will be served dense (no model, no weights): the CPU
-    attention ISA (dtype, page size, head size), a quantized KV cache, MLA, learned sinks on every layer (gpt-oss),
-    sliding-window layers (per layer from `layer_types`, e.g. Gemma 2/3, gpt-oss; all layers when the model has one
-    window and no layer types) and Llama 4's chunk-local layers.
+    attention ISA (dtype, page size, head size), a quantized KV cache, MLA, sliding-window layers (per layer from
+    `layer_types`, e.g. Gemma 2/3, gpt-oss; all layers when the model has one window and no layer types) and Llama 4's
+    chunk-local layers. Attention sinks (gpt-oss) are served sparse: the kernels take them.
     The install finds the same per layer once the model exists; this says it before any weight loads."""
     model = getattr(vllm_config, "model_config", None)
     cache = getattr(vllm_config, "cache_config", None)
@@ -212,23 +213,9 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
                                  "--kv-cache-dtype auto"))
     if getattr(model, "use_mla", False) is True:
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
-    out += _predicted_sink_layers(model)
     out += _predicted_sliding_layers(model)
     out += _predicted_chunk_local_layers(model)
     return out
-
-
-# Architectures whose vLLM model gives every attention layer learned sinks, whatever the config (vLLM 0.33's
-# gpt_oss.py passes `sinks=` to each `Attention`). Models whose sinks depend on the config (Granite's
-# `attention_sinks`, MiMo, Laguna's sliding layers) are found per layer at install.
-_SINK_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
-
-
-def _predicted_sink_layers(model) -> list[tuple[str, str]]:
-    archs = getattr(model, "architectures", None) or getattr(getattr(model, "hf_config", None), "architectures", None)
-    if not isinstance(archs, (list, tuple)) or not _SINK_ARCHITECTURES.intersection(archs):
-        return []
-    return [(EVERY_LAYER, "attention sinks are not supported")]
 
 
 def _layer_list(indices: list[int], total: int, kind: str) -> str:

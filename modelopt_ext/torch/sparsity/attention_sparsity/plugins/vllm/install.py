@@ -13,7 +13,7 @@ covers can be (re)configured.
 
 Every reason a layer cannot run sparse is found (plugins/vllm/checks.py) before anything changes, and reported in one
 ValueError, one line per reason:
-unsupported attention features (sinks, sliding window, ALiBi, encoder/cross attention, MLA, DCP,
+unsupported attention features (sliding window, ALiBi, encoder/cross attention, MLA, DCP,
 quantized KV cache, V head size != K head size), head sizes / dtypes / page sizes the chosen kernel does not cover,
 an unmeasured CPU ISA, a cache layout the views do not know, and a layer whose metadata builder is vLLM's native one.
 What is only known when vLLM builds the KV cache (the kernel block size, the CPU ISA) is checked by the sparse
@@ -45,12 +45,13 @@ from .checks import (
 from .compat import (
     flash_attn_kv_first,
     forward_writes_kv_cache,
+    impl_sinks,
     vllm_facts,
 )
 from .context import MODES, SparseAttentionContext
 from .cudagraphs import check_graph_path
 from .env import ENV_STRICT, strict_mode
-from .impls import _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, layer_state
+from .impls import _SPARSE_BY_NATIVE, _SPARSE_CLASSES, _STATE_ATTR, _LayerState, kernel_sinks, layer_state
 from .kv_cache import native_flash_cache_write_op
 from .prompt_lens import prompt_lens_source
 from .request_stats import request_counters_source
@@ -417,6 +418,7 @@ def _make_sparse(name: str, layer, context: SparseAttentionContext, unchanged: b
         kv_first=flash_attn_kv_first(native_backend, impl.head_size) if kind == "flash_attn" else None,
         isa=getattr(layer, "isa", None) if kind == "cpu_attn" else None,
         softcap=float(getattr(impl, "logits_soft_cap", None) or 0.0),
+        sinks=kernel_sinks(impl_sinks(impl)),
     )
     state.native_backend = getattr(layer, "attn_backend", None) or native_backend
     setattr(sparse, _STATE_ATTR, state)
