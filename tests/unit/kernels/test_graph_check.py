@@ -36,6 +36,35 @@ def test_kernels_pass_the_self_test(backend):
     assert problem is None, problem
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_available(), reason="no triton"))])  # fmt: skip
+def test_kernels_pass_the_self_test_with_sinks(backend):
+    """gpt-oss decode graphs launch with attention sinks: a persistent [Hq] buffer rewritten every round."""
+    problem = decode_graph_self_test(kernel_launcher(backend), batch_sizes=(3,), rounds=2, capture=replay_by_call,
+                                     sinks=True, **SHAPES)  # fmt: skip
+    assert problem is None, problem
+
+
+def test_sinks_reach_the_launch_from_their_buffer():
+    """With `sinks=True` every launch gets the same float32 [Hq] buffer, its contents new each round; without, no
+    launch gets a `sinks` argument (a sinkless model keeps the launch it always had)."""
+    seen = []
+    launch = kernel_launcher("torch")
+
+    def spy(*args, **kwargs):
+        sinks = kwargs.get("sinks")
+        seen.append(None if sinks is None else (sinks.data_ptr(), sinks.dtype, tuple(sinks.shape), sinks.clone()))
+        return launch(*args, **kwargs)
+
+    assert decode_graph_self_test(spy, batch_sizes=(3,), rounds=2, capture=replay_by_call, **SHAPES) is None
+    assert seen and all(x is None for x in seen)
+    seen.clear()
+    assert decode_graph_self_test(spy, batch_sizes=(3,), rounds=2, capture=replay_by_call, sinks=True,
+                                  **SHAPES) is None  # fmt: skip
+    assert len({x[0] for x in seen}) == 1 and all(x[1:3] == (torch.float32, (4,)) for x in seen)
+    assert not torch.equal(seen[1][3], seen[-1][3]), "the sinks must change between rounds"
+
+
 def test_a_launch_sized_from_the_captured_lengths_fails():
     """A grid bound frozen from the captured step's lengths: replays with longer sequences must be caught."""
     launch = kernel_launcher("triton" if triton_available() else "torch")
@@ -70,4 +99,6 @@ def test_triton_decode_launch_replays_in_a_cuda_graph(dtype):
     """The real capture: what the vLLM plugin runs at engine start before it declares full decode graphs."""
     shapes = {**SHAPES, "dtype": dtype, "device": "cuda", "num_heads": 32, "num_kv_heads": 8, "head_size": 128}
     problem = decode_graph_self_test(kernel_launcher("triton"), batch_sizes=(1, 8), rounds=3, **shapes)
+    assert problem is None, problem
+    problem = decode_graph_self_test(kernel_launcher("triton"), batch_sizes=(8,), rounds=3, sinks=True, **shapes)
     assert problem is None, problem

@@ -31,7 +31,7 @@ PREAMBLE = textwrap.dedent(
         divisible by 16), without which Triton pipelines no load.\"\"\"
         types = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
         types.update(bt_ptr="*i32", cu_q_ptr="*i32", kv_lens_ptr="*i32", prompt_ptr="*i32", log_sf_ptr="*fp32",
-                     gamma_ptr="*fp32", counts_ptr="*i64",
+                     gamma_ptr="*fp32", counts_ptr="*i64", sinks_ptr="*fp32",
                      ws_acc_ptr="*fp32", ws_ml_ptr="*fp32", softmax_scale="fp32", softcap="fp32")
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -50,7 +50,7 @@ SCRIPT = PREAMBLE + textwrap.dedent(
         p2 = triton.next_power_of_2(trials)
         bd = max(16, triton.next_power_of_2(d))
         common = dict(HEAD_DIM=d, BLOCK_D=bd, GROUP=group, PAGE=page, BLOCK_K=64, N_TRIALS=trials, TRIALS_P2=p2,
-                      MODE=mode, FP32_DOT=dtype == "fp32", SOFTCAP=False)
+                      MODE=mode, FP32_DOT=dtype == "fp32", SOFTCAP=False, HAS_SINKS=False)
         if dtype == "fp16":  # what a launch with contiguous head dims compiles: unit strides are specialised
             common.update(stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1)
         cfg = tk.default_launch_config(d)
@@ -93,8 +93,8 @@ def test_kernels_compile_for_sm90():
 PIPELINE_SCRIPT = PREAMBLE + textwrap.dedent(
     """
     consts = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, PAGE=16, BLOCK_Q=128, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1,
-                  TRIALS_P2=1, FP32_DOT=False, SOFTCAP=False, FUSED_ACC=False, stride_qd=1, stride_od=1, stride_kd=1,
-                  stride_vd=1)
+                  TRIALS_P2=1, FP32_DOT=False, SOFTCAP=False, FUSED_ACC=False, HAS_SINKS=False, stride_qd=1,
+                  stride_od=1, stride_kd=1, stride_vd=1)
     for mode, skip, split in ((0, "branch", False), (1, "branch", False), (1, "exp", False), (1, "exp", True),
                               (1, "prefetch", True)):
         c = dict(consts, MODE=mode, V_SKIP=tk.SKIP_MODES[skip], SPLIT_CAUSAL=split)
@@ -118,3 +118,65 @@ def test_prefill_loads_are_software_pipelined_for_sm90():
     expected = ["mode 0 branch whole K V 4", "mode 1 branch whole K - 2", "mode 1 exp whole K V 4",
                 "mode 1 exp split K V 8", "mode 1 prefetch split K V 6"]  # fmt: skip
     assert out.splitlines() == expected, out
+
+
+SINKS_SCRIPT = PREAMBLE + textwrap.dedent(
+    """
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    def ptxas_usage(kernel):
+        \"\"\"(registers, spill-store bytes) of the kernel's PTX, from the bundled ptxas.\"\"\"
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(kernel.asm["ptx"])
+            f.flush()
+            res = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, check=True)
+        regs = int(re.search(r"Used (\\d+) registers", res.stderr).group(1))
+        spills = int(re.search(r"(\\d+) bytes spill stores", res.stderr).group(1))
+        return regs, spills
+
+    def body(kernel):
+        \"\"\"The PTX without parameter names and line information (an extra parameter shifts both).\"\"\"
+        ptx = re.sub(r"_param_\\d+", "_param", kernel.asm["ptx"].split(".section\\t.debug")[0])
+        return [line for line in ptx.splitlines() if not line.strip().startswith((".loc", ".file", ".param"))]
+
+    # gpt-oss: 64 query heads over 8 KV heads, D = 64; and D = 128
+    for dtype, mode, d in (("bf16", 1, 64), ("bf16", 2, 128), ("fp16", 0, 128), ("fp16", 1, 128)):
+        cfg = tk.default_launch_config(d)
+        common = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=8, PAGE=16, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1, TRIALS_P2=1,
+                      MODE=mode, FP32_DOT=False, SOFTCAP=mode == 2, stride_qd=1, stride_od=1, stride_kd=1,
+                      stride_vd=1)
+        kernels = (
+            ("prefill", tk._prefill_kernel, dict(common, BLOCK_Q=cfg.prefill_block_q,
+                                                 V_SKIP=tk.SKIP_MODES[cfg.prefill_skip], FUSED_ACC=False,
+                                                 SPLIT_CAUSAL=cfg.prefill_split_causal),
+             dict(num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)),
+            ("decode", tk._decode_kernel, dict(common, BLOCK_G=16, NUM_HEADS=64, V_SKIP=tk.SKIP_MODES[cfg.decode_skip],
+                                               FUSED_ACC=False),
+             dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)),
+        )
+        for name, fn, consts, options in kernels:
+            plain = build(fn, dtype, dict(consts, HAS_SINKS=False), aligned=True, **options)
+            sinks = build(fn, dtype, dict(consts, HAS_SINKS=True), aligned=True, **options)
+            (r0, s0), (r1, s1) = ptxas_usage(plain), ptxas_usage(sinks)
+            print(dtype, mode, d, name, "regs", r0, r1, "spills", s0, s1, "differ", body(plain) != body(sinks))
+    """
+)
+
+
+def test_sinks_variants_compile_for_sm90_without_new_spills():
+    """The attention-sink variants (HAS_SINKS; bf16 serving at gpt-oss's D = 64, bf16 calibration with soft-capping,
+    fp16 dense and serving at D = 128) of the default launches compile for sm_90 with no more spill stores than the
+    sinkless ones and at most a few more registers (measured with Triton 3.8: +0..2); a sinkless launch compiles
+    the kernels of before (a constexpr branch: the sinks variants must differ from them, or HAS_SINKS compiles to
+    nothing)."""
+    lines = _run_compiled(SINKS_SCRIPT).splitlines()
+    assert len(lines) == 8, lines
+    for line in lines:
+        words = line.split()
+        r0, r1, s0, s1 = int(words[5]), int(words[6]), int(words[8]), int(words[9])
+        assert s1 <= s0 and r1 <= r0 + 16 and r1 <= 255, line
+        assert words[-1] == "True", line

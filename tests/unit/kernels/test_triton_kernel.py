@@ -20,6 +20,7 @@ from skip_attention_helpers import (
     make_case,
     oracle,
     safe_lambdas,
+    safe_log_lambda,
 )
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention, triton_kernel
@@ -163,12 +164,13 @@ def _constexpr_params(kernel) -> set[str]:
 
 @pytest.mark.parametrize("kernel", ["_prefill_kernel", "_decode_kernel", "_decode_merge_kernel"])
 def test_lambda_and_lengths_are_runtime_arguments(kernel):
-    """λ (the law tensors), the scale, the soft-cap value, lengths and strides are runtime values; constexprs are
-    geometry, mode and launch configuration only (SOFTCAP: whether scores are capped at all; V_SKIP, FUSED_ACC,
-    SPLIT_CAUSAL: `LaunchConfig`'s code shape)."""
+    """λ (the law tensors), the scale, the soft-cap value, the sinks, lengths and strides are runtime values;
+    constexprs are geometry, mode and launch configuration only (SOFTCAP, HAS_SINKS: whether scores are capped and
+    sinks given at all; V_SKIP, FUSED_ACC, SPLIT_CAUSAL: `LaunchConfig`'s code shape)."""
     allowed = {
         "HEAD_DIM", "BLOCK_D", "GROUP", "PAGE", "BLOCK_Q", "BLOCK_K", "N_TRIALS", "TRIALS_P2", "MODE", "FP32_DOT",
         "BLOCK_G", "NUM_HEADS", "SPLIT_BLOCKS", "SPLIT_TOKENS", "SOFTCAP", "V_SKIP", "FUSED_ACC", "SPLIT_CAUSAL",
+        "HAS_SINKS",
     }  # fmt: skip
     params = _constexpr_params(getattr(triton_kernel, kernel))
     assert params and params <= allowed, params - allowed
@@ -284,6 +286,43 @@ def test_launch_configs_keep_decisions_and_rows(config):
         else:
             assert torch.equal(counts, expected.counts)
             assert counts[..., 1].sum() > 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        triton_kernel.LaunchConfig(),
+        triton_kernel.LaunchConfig(prefill_split_causal=True, prefill_block_q=128, prefill_skip="exp",
+                                   decode_skip="exp"),
+        triton_kernel.LaunchConfig(prefill_skip="prefetch", decode_skip="predicated", prefill_fused_acc=True,
+                                   decode_fused_acc=True),
+    ],
+    ids=["branch", "split-causal-rows128-exp", "prefetch-predicated-fused"],
+)
+def test_sinks_in_every_launch_config(config):
+    """Attention sinks (docs/skip_softmax.md v3) with the skip modes and blockings: the oracle's counts exactly, its
+    rows at fp32 tolerance, serving, calibrating and dense. Prefill rows past a split boundary (the sink seeds the
+    restarted split max), a decode row over three splits (only split 0 puts the sink in the softmax; every split
+    tests against it), and sinks large enough to change decisions."""
+    case = make_case([130, 1, 1], [2300, 4200, 40], hq=4, hkv=2, d=32, page=16, seed=31, spread=2.0)
+    sinks = torch.tensor([3.5, -1.0, 1.5, 6.0], dtype=torch.float32)
+    stats = oracle(case, None, sinks=sinks).tile_stats
+    log_lams = torch.tensor([[safe_log_lambda(x, stats[b])] for b, x in enumerate((-1.5, -1.0, -2.0))])
+    trials = torch.tensor([[safe_log_lambda(x, stats[b]) for x in (-3.0, -1.2)] for b in range(case.batch)])
+    for ll, calibrate in ((log_lams, False), (trials, True), (None, False)):
+        expected = oracle(case, ll, calibrate=calibrate, sinks=sinks)
+        out = torch.full((case.q.shape[0] + 2, *case.q.shape[1:]), math.nan)
+        counts = triton_kernel.launch_triton(
+            *case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out, config=config, sinks=sinks,
+            **backend_law(case, None if ll is None else ll.to(torch.float32)),
+        )  # fmt: skip
+        torch.testing.assert_close(out[: case.q.shape[0]].double(), expected.out, atol=3e-5, rtol=1e-4)
+        assert torch.isnan(out[case.q.shape[0] :]).all()
+        if ll is None:
+            assert counts is None
+        else:
+            assert torch.equal(counts, expected.counts)
+            assert (counts[..., 1] > oracle(case, ll, calibrate=calibrate).counts[..., 1]).any()
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ of one launch (`capture`); then a few rounds that rewrite lengths (including pad
 keys, as vLLM pads a batch to its captured size), block tables (shuffled pages) and λ (dense rows and rows that
 drop tiles) in place, poison the output, replay, and compare the output rows and the counts with an eager launch on
 the same inputs (its grid sized from this round's lengths). Padding rows must stay untouched and count nothing.
+With `sinks=True` (a model with attention sinks, gpt-oss) every launch also takes a persistent [Hq] sinks buffer,
+rewritten each round like the rest, so the replay must read the sinks from memory, not from the capture.
 
 `capture(fn) -> replay` is `cuda_graph_capture` on a GPU. Anywhere else the test runs with `replay_by_call`, which
 "replays" by calling the same closure again: the host values it froze at capture (batch size, `max_model_len`,
@@ -56,7 +58,8 @@ def replay_by_call(fn: Callable[[], object]) -> Callable[[], None]:
 class _DecodeBuffers:
     """Persistent inputs of one captured decode launch, rewritten in place between replays."""
 
-    def __init__(self, batch, *, num_heads, num_kv_heads, head_size, page_size, max_model_len, dtype, device, gen):
+    def __init__(self, batch, *, num_heads, num_kv_heads, head_size, page_size, max_model_len, dtype, device, gen,
+                 sinks=False):
         self.batch, self.page, self.max_model_len = batch, page_size, max_model_len
         self.gen, self.dtype, self.device = gen, dtype, device
         self.width = math.ceil(max_model_len / page_size)
@@ -74,6 +77,7 @@ class _DecodeBuffers:
         self.log_sf = torch.zeros(batch, 1, 2, dtype=torch.float32, device=device)
         self.gamma = torch.ones(batch, 2, dtype=torch.float32, device=device)
         self.counts = torch.zeros(batch, 1, 2, dtype=torch.int64, device=device)
+        self.sinks = torch.zeros(num_heads, dtype=torch.float32, device=device) if sinks else None
         self.live = batch
 
     def _randn(self, shape):
@@ -109,6 +113,9 @@ class _DecodeBuffers:
             log_sf[0] = -math.inf
         self.log_sf.copy_(log_sf[:, None, :])
         self.q.copy_(self._randn(tuple(self.q.shape)))
+        if self.sinks is not None:  # around the scores' maxima: they change outputs and decisions
+            n = self.sinks.shape[0]
+            self.sinks.copy_(torch.rand(n, generator=self.gen, dtype=torch.float32) * 4.0 - 1.0)
 
     def args(self):
         return (self.q, self.k, self.v, self.block_table, self.cu_q, self.seq_lens)
@@ -145,12 +152,14 @@ def decode_graph_self_test(
     rounds: int = 3,
     capture: Callable[[Callable[[], object]], Callable[[], None]] | None = None,
     seed: int = 0,
+    sinks: bool = False,
 ) -> str | None:
     """None when a captured sparse decode launch replays exactly like eager launches; else what went wrong.
 
     `launch` is a kernel launcher (`api.kernel_launcher(backend)`); `capture` defaults to `cuda_graph_capture` on
-    a CUDA device and `replay_by_call` elsewhere. Exceptions are reported, not raised: a failure means "declare no
-    full-graph support", never "do not start".
+    a CUDA device and `replay_by_call` elsewhere. `sinks`: launch with attention sinks (one float32 logit per query
+    head, as a gpt-oss model's decode graphs do); False tests the sinkless launch. Exceptions are reported, not
+    raised: a failure means "declare no full-graph support", never "do not start".
     """
     device = torch.device(device)
     if capture is None:
@@ -160,7 +169,7 @@ def decode_graph_self_test(
         for batch in batch_sizes:
             buf = _DecodeBuffers(batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                                  page_size=page_size, max_model_len=max_model_len, dtype=dtype, device=device,
-                                 gen=gen)  # fmt: skip
+                                 gen=gen, sinks=sinks)  # fmt: skip
             problem = _replay_rounds(launch, buf, capture, rounds)
             if problem is not None:
                 return problem
@@ -179,10 +188,13 @@ def _replay_rounds(launch: Launch, buf: _DecodeBuffers, capture, rounds: int) ->
         for n in decode_workspace_numel(buf.batch, num_heads, head_size, buf.max_model_len)
     )
 
+    # sinks only when the model has them: a sinkless launch keeps the signature every backend always took
+    with_sinks = {} if buf.sinks is None else {"sinks": buf.sinks}
+
     def captured():
         launch(*buf.args(), softmax_scale=scale, log_sf=buf.log_sf, gamma=buf.gamma, prompt_lens=buf.prompt_lens,
                calibrate=False, out=buf.out, max_seqlen_k=buf.max_model_len, counts=buf.counts,
-               workspace=workspace, decode_only=True)  # fmt: skip
+               workspace=workspace, decode_only=True, **with_sinks)  # fmt: skip
 
     buf.rewrite(0)
     replay = capture(captured)
@@ -196,7 +208,7 @@ def _replay_rounds(launch: Launch, buf: _DecodeBuffers, capture, rounds: int) ->
         buf.out.fill_(math.nan)
         want_counts = launch(*buf.args(), softmax_scale=scale, log_sf=buf.log_sf, gamma=buf.gamma,
                              prompt_lens=buf.prompt_lens, calibrate=False, out=buf.out,
-                             max_seqlen_k=int(buf.seq_lens.max().item()))  # fmt: skip
+                             max_seqlen_k=int(buf.seq_lens.max().item()), **with_sinks)  # fmt: skip
         problem = _compare(f"batch {buf.batch}, round {r}", got_out, got_counts, buf.out, want_counts, buf.live,
                            atol)  # fmt: skip
         if problem is not None:

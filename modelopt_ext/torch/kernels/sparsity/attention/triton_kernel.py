@@ -39,7 +39,13 @@ Runtime values
 `ln λ` of a row is computed inside the kernels from runtime tensors (`log_sf` [B, T, 2], `gamma` [B, 2],
 `prompt_lens` [B]), never a `tl.constexpr`: changing λ or the law never compiles a new variant. Compile-time
 values are the geometry (TILE_Q, TILE_K, splits), the head size, the GQA group, the page size, the dtype, the
-number of calibration trials and the mode (dense / serving / calibration).
+number of calibration trials, the mode (dense / serving / calibration), soft-capping and attention sinks.
+
+Attention sinks (`sinks`, float32 [Hq], docs/skip_softmax.md version 3) are a compiled variant (`HAS_SINKS`), so
+a launch without them compiles the sinkless kernels unchanged. With them, the head's sink seeds every split's
+running max (the skip test), and the program or split that holds tile 0 starts its online softmax from m = σ, l = 1,
+acc = 0 (the sink in the denominator once, in the output never); the other decode splits start empty and the merge
+is unchanged.
 
 Counts are accumulated per program in registers and added with one `tl.atomic_add` per (program, trial) into
 the int64 `[B, T, 2]` buffer (integer adds: exact and order independent).
@@ -277,15 +283,16 @@ def _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS: tl.constex
 
 @triton.jit
 def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-                  v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                  v_ahead, sink, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
                   stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
                   PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MODE: tl.constexpr,
                   FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
-                  MASKED: tl.constexpr):  # fmt: skip
+                  MASKED: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
     """One key tile of a prefill program: scores, decisions, softmax and P·V. MASKED: the causal and length masks;
     without, the caller guarantees every row of the block sees every key of the tile (rows past the sequence's
     end stay out through `row_in`). `v_ahead`: this tile's V when serving with the `prefetch` skip mode, which
-    returns the next tile's in its place (anything else is passed through)."""
+    returns the next tile's in its place (anything else is passed through). `sink`: the head's sink logit
+    (HAS_SINKS), which every split's running max starts from."""
     kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_in = kpos < kv_len
     kt, page_id, slot = _load_k_tile(
@@ -304,7 +311,10 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
         valid = row_in
     tile_max = tl.max(s, axis=1) * unit
     m_anchor = tl.where(kb == 0, tile_max, m_anchor)
-    m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
+    if HAS_SINKS:  # the sink seeds every split's reference max, like the anchor
+        m_split = tl.where(kb % SPLIT_BLOCKS == 0, sink, m_split)
+    else:
+        m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
     droppable = valid & (kb > 0)
     keep_row = valid
     if MODE == 1:
@@ -325,7 +335,7 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
-    softmax_scale, softcap, num_seqs,
+    sinks_ptr, softmax_scale, softcap, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -335,6 +345,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr, SPLIT_CAUSAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
@@ -386,6 +397,11 @@ def _prefill_kernel(
     m_split = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    sink = float("-inf")
+    if HAS_SINKS:  # the sink joins the denominator once and the output never: m = σ, l = exp(σ - σ) = 1, acc = 0
+        sink = tl.load(sinks_ptr + head)
+        m_i = tl.full([BLOCK_Q], 0.0, tl.float32) + sink
+        l_i = tl.full([BLOCK_Q], 1.0, tl.float32)
     # Drops are counted per row and summed once after the loop: a sum over the block's rows inside the loop
     # is a cross-warp reduction (shared memory and a barrier) per tile.
     drops = tl.zeros([BLOCK_Q], tl.int32)
@@ -404,16 +420,16 @@ def _prefill_kernel(
         for kb in range(0, kb_masked):
             m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
                 kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-                v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+                v_ahead, sink, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
                 stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-                PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False,
+                PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False, HAS_SINKS,
             )  # fmt: skip
     for kb in range(kb_masked, n_kblocks):
         m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
             kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
-            v_ahead, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
+            v_ahead, sink, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
             stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-            PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True,
+            PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True, HAS_SINKS,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -437,7 +453,7 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["max_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
-    ws_acc_ptr, ws_ml_ptr,
+    sinks_ptr, ws_acc_ptr, ws_ml_ptr,
     softmax_scale, softcap, max_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -447,7 +463,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
     N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
-    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
+    SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -501,6 +517,13 @@ def _decode_kernel(
     m_split = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_SINKS:
+        # Every split compares its tiles with the sink (it seeds the split's running max); only the split holding
+        # tile 0 puts it in the softmax (m = σ, l = 1), so the merge counts it once.
+        sink = tl.load(sinks_ptr + heads, mask=g_in, other=float("-inf"))
+        m_split = sink
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     # Summed per tile here (unlike the prefill kernel): per-row sums after the loop made the 2-warp, 3-stage
     # launch 1.3-1.6x slower when serving on an H200 (bf16, B=1 at 128k and B=64 at 16k).
     n_drop = tl.zeros([TRIALS_P2], tl.int32)
@@ -560,8 +583,8 @@ def _decode_merge_kernel(
         return
     offs_d = tl.arange(0, BLOCK_D)
     base = (seq.to(tl.int64) * NUM_HEADS + head) * max_splits
-    m = tl.load(ws_ml_ptr + base * 2)  # split 0: finite (tile 0 is never dropped); a later split may be all
-    # dropped (max -inf, sum 0): it then contributes exp(-inf) = 0
+    m = tl.load(ws_ml_ptr + base * 2)  # split 0: finite (tile 0 is never dropped; it holds the sink, if any); a
+    # later split may be all dropped (max -inf, sum 0): it then contributes exp(-inf) = 0
     l_tot = tl.load(ws_ml_ptr + base * 2 + 1)
     acc = tl.load(ws_acc_ptr + base * BLOCK_D + offs_d)
     for sp in range(1, n_splits):
@@ -693,6 +716,7 @@ def paged_skip_softmax_attention_triton(
     max_seqlen_k: int | None = None,
     counts: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Triton backend of `paged_skip_softmax_attention` (arguments validated and normalised by the caller).
 
@@ -701,13 +725,14 @@ def paged_skip_softmax_attention_triton(
     dense and counts cover all T trials, otherwise T == 1 and each row's drops are applied. Writes rows
     `< total_q` of `out` only. Returns int64 counts [B, T, 2] (visited, dropped row-tiles) or None.
     `max_seqlen_k` (optional host int, an upper bound of `seq_lens_k`) only shrinks the decode grid and
-    workspace; without it the bound is `block_table.shape[1] * page_size`.
+    workspace; without it the bound is `block_table.shape[1] * page_size`. `sinks`: None or float32 [Hq] attention
+    sinks on q's device (`semantics.checked_sinks`).
     """
     _check_triton_inputs(q, k_cache, log_sf, calibrate)
     return launch_triton(
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
         gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k, counts=counts,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -749,7 +774,8 @@ def _decode_workspace(workspace, batch, num_heads, max_splits, block_d, device):
 
 def launch_triton(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
-    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0, config=None,
+    calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0, sinks=None,
+    config=None,
 ):  # fmt: skip
     """The launch without checks (the vLLM plugin checked geometry once): same arguments as
     `paged_skip_softmax_attention_triton`, plus what makes it allocation-free and CUDA-graph safe:
@@ -758,6 +784,8 @@ def launch_triton(
     - `workspace`: persistent (accumulators, max/sum) fp32 tensors of at least `semantics.decode_workspace_numel`
       elements for this launch's B, Hq, head size and `max_seqlen_k` (else allocated per call);
     - `softcap` > 0: logit soft-capping (cap·tanh(s / cap)) before the skip test and the softmax (a compiled variant);
+    - `sinks`: None or a contiguous float32 [Hq] tensor on q's device, the attention sinks of docs/skip_softmax.md
+      (a compiled variant, HAS_SINKS; a launch without sinks compiles exactly the sinkless kernels);
     - `decode_only`: the caller knows every sequence has one new row (a uniform decode batch), so the prefill
       grid, whose programs would all exit, is not launched;
     - `config`: a `LaunchConfig` (default: `default_launch_config(head_size)`).
@@ -785,13 +813,14 @@ def launch_triton(
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     block_d = max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
     common_strides = (*q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0))
-    # The pointer arguments both kernels take first (the law: prompt lengths, log_sf, γ, counts), and the
+    # The pointer arguments both kernels take first (the law: prompt lengths, log_sf, γ, counts; the sinks), and the
     # compile-time constants they share.
-    tensors = (q, k_cache, v_cache, out, bt, cu_q, kv_lens, prompts, log_sf_arg, gamma_arg, counts_arg)
+    sinks_arg = sinks if sinks is not None else _placeholder(device, torch.float32)
+    tensors = (q, k_cache, v_cache, out, bt, cu_q, kv_lens, prompts, log_sf_arg, gamma_arg, counts_arg, sinks_arg)
     shared = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, PAGE=page, BLOCK_K=TILE_K, SPLIT_BLOCKS=SPLIT_TOKENS // TILE_K,
         N_TRIALS=n_trials, TRIALS_P2=triton.next_power_of_2(n_trials), MODE=mode, FP32_DOT=q.dtype == torch.float32,
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
     )  # fmt: skip
 
     cfg = config if config is not None else default_launch_config(head_dim)
