@@ -47,9 +47,10 @@ def _poison_past_kv_len(case, page: int) -> None:
 
 def _case(dtype=torch.float32, seed: int = 11):
     # prefill rows over several tiles (a chunk after a prefix), decode rows (one past a split: two splits), a short
-    # sequence and a one-row prompt; GQA 6 query heads over 2 KV heads
-    case = make_case([70, 1, 1, 3, 1], [200, 2300, 90, 3, 1], hq=6, hkv=2, d=32, page=16, dtype=dtype, seed=seed,
-                     spread=2.0)  # fmt: skip
+    # sequence, a one-row prompt and a prefill chunk whose rows cross the split at 2048 (every split's reference max
+    # starts from the sink); GQA 6 query heads over 2 KV heads
+    case = make_case([70, 1, 1, 3, 1, 40], [200, 2300, 90, 3, 1, 2080], hq=6, hkv=2, d=32, page=16, dtype=dtype,
+                     seed=seed, spread=2.0)  # fmt: skip
     _poison_past_kv_len(case, 16)
     return case
 
