@@ -274,8 +274,12 @@ def test_the_cuda_decision_runs_the_self_test_at_the_engine_shapes(monkeypatch, 
     spec = kv_cache_spec(PAGE, HKV, D)
     assert cudagraphs.self_test_shapes(config, spec) == {
         "num_heads": 4, "num_kv_heads": HKV, "head_size": D, "page_size": PAGE,
-        "max_model_len": config.model_config.max_model_len, "dtype": torch.float32,
+        "max_model_len": config.model_config.max_model_len, "dtype": torch.float32, "sinks": False,
     }  # fmt: skip
+    # a layer with attention sinks (gpt-oss): the self-test replays the kernel's sinks variant
+    monkeypatch.setattr(layers[0].impl, "sinks", torch.zeros(4), raising=False)
+    assert cudagraphs.self_test_shapes(config, spec)["sinks"] is True
+    monkeypatch.setattr(layers[0].impl, "sinks", None, raising=False)
     monkeypatch.setattr(config.device_config, "device", torch.device("cuda"))
     context = layers[0].impl._modelopt_sparse.context
     with caplog.at_level("INFO", logger="modelopt_ext"):

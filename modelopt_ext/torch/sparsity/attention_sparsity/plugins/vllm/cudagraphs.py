@@ -102,11 +102,21 @@ def decide(vllm_config, kv_cache_spec, context) -> GraphDecision:
     return GraphDecision(True, f"the start-up self-test passed (batch {', '.join(map(str, SELF_TEST_BATCH_SIZES))})")
 
 
+def _engine_has_sinks(vllm_config) -> bool:
+    """Whether any attention layer of the engine serves with attention sinks (gpt-oss): its decode graphs then
+    launch the kernel's sinks variant, which is what the self-test must replay."""
+    from .compat import impl_sinks
+
+    layers = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    return any(impl_sinks(getattr(layer, "impl", None)) is not None for layer in layers.values())
+
+
 def self_test_shapes(vllm_config, kv_cache_spec) -> dict:
-    """The engine's decode shapes for the self-test: heads, head size, page size, max_model_len, dtype."""
+    """The engine's decode launch for the self-test: heads, head size, page size, max_model_len, dtype, sinks."""
     model = vllm_config.model_config
     page = int(kv_cache_spec.block_size)
     return {
+        "sinks": _engine_has_sinks(vllm_config),
         "num_heads": int(model.get_num_attention_heads(vllm_config.parallel_config)),
         "num_kv_heads": int(kv_cache_spec.num_kv_heads),
         "head_size": int(kv_cache_spec.head_size),
