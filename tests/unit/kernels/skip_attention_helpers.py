@@ -1,6 +1,6 @@
 """Test helpers for the skip-softmax kernels: input builders, cache layouts and a float64 oracle of the docs.
 
-The oracle (`oracle`) is written straight from docs/skip_softmax.md (version 2: per-row decisions) with loops
+The oracle (`oracle`) is written straight from docs/skip_softmax.md (version 3: per-row decisions, sinks) with loops
 over (sequence, key tile), vectorised over heads and rows: it is independent of reference.py and semantics.py,
 so tests can pin the documented semantics on every backend. It also returns, per sequence, every droppable
 row-tile's statistic `G = tile max - reference max` (the row drops the tile iff G < ln λ of the row), which
@@ -17,6 +17,23 @@ import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention import semantics
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K
+
+
+def kernel_backends() -> list:
+    """The backends a per-backend test runs on, as pytest params: the reference, the compiled CPU kernel and Triton
+    (under the interpreter on the CPU), each skipped with the reason where it cannot run."""
+    import pytest
+
+    from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
+    from modelopt_ext.torch.kernels.sparsity.attention.api import triton_available
+
+    return [
+        pytest.param("torch"),
+        pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(),
+                                                     reason=str(cpu_kernel.unavailable_reason()))),
+        pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton")),
+    ]  # fmt: skip
+
 
 LAYOUTS = ("nhd", "nhd5", "hnd5", "packed", "cpu_t")
 """Cache layouts: plain NHD; NHD view of [blocks, 2, page, H, D]; HND-strided [blocks, 2, H, page, D];

@@ -14,22 +14,10 @@ import math
 
 import pytest
 import torch
-from skip_attention_helpers import dense_attention_f64, make_case, oracle, safe_log_lambda
+from skip_attention_helpers import dense_attention_f64, kernel_backends, make_case, oracle, safe_log_lambda
 from test_skip_softmax_semantics import TOL, assert_close64, run
 
-from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
-from modelopt_ext.torch.kernels.sparsity.attention.api import triton_available
-
 CAP = 2.5
-
-
-def _backends():
-    return [
-        pytest.param("torch"),
-        pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(),
-                                                     reason=str(cpu_kernel.unavailable_reason()))),
-        pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton")),
-    ]  # fmt: skip
 
 
 def _poison_past_kv_len(case, page: int) -> None:
@@ -68,7 +56,7 @@ def _safe_log_lams(case, sinks, log_lam: float, softcap: float = 0.0) -> torch.T
     return torch.tensor([[safe_log_lambda(log_lam, stats[b])] for b in range(case.batch)], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dense_with_sinks_matches_float64(backend, dtype):
     case = _case(dtype)
@@ -81,7 +69,7 @@ def test_dense_with_sinks_matches_float64(backend, dtype):
     assert (expected - dense_attention_f64(case)).abs().max() > 10 * TOL[dtype][0], "the sinks must change the output"
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 def test_sinks_join_the_skip_test(backend):
     case = _case()
     sinks = _sinks(case)
@@ -94,7 +82,7 @@ def test_sinks_join_the_skip_test(backend):
     assert (expected.counts[..., 1] > without[..., 1]).any(), "a sink above the tiles must drop more of them"
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 def test_calibration_counts_with_sinks(backend):
     """Calibration: the output stays dense (with the sinks) and every trial counts what serving would drop."""
     case = _case(seed=12)
@@ -109,7 +97,7 @@ def test_calibration_counts_with_sinks(backend):
     assert_close64(out, dense_attention_f64(case, sinks), torch.float32)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 def test_sinks_are_not_soft_capped(backend):
     case = _case(seed=13)
     sinks = _sinks(case, seed=7) + 1.0  # some sinks above the cap: capping them would change every row

@@ -13,22 +13,10 @@ import math
 
 import pytest
 import torch
-from skip_attention_helpers import make_case, oracle, safe_log_lambda
+from skip_attention_helpers import kernel_backends, make_case, oracle, safe_log_lambda
 from test_skip_softmax_semantics import TOL, assert_close64, run
 
-from modelopt_ext.torch.kernels.sparsity.attention import cpu_kernel
-from modelopt_ext.torch.kernels.sparsity.attention.api import triton_available
-
 CAP = 2.5  # the cases' scores reach several units: the cap changes them, and the decisions
-
-
-def _backends():
-    return [
-        pytest.param("torch"),
-        pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(),
-                                                     reason=str(cpu_kernel.unavailable_reason()))),
-        pytest.param("triton", marks=pytest.mark.skipif(not triton_available(), reason="no triton")),
-    ]  # fmt: skip
 
 
 def _case(dtype=torch.float32):
@@ -36,7 +24,7 @@ def _case(dtype=torch.float32):
     return make_case([70, 1, 1, 3], [200, 2300, 90, 3], hq=4, hkv=2, d=32, page=16, dtype=dtype, seed=7, spread=2.0)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 def test_dense_softcap_matches_float64(backend):
     case = _case()
     out, _ = run(case, backend, logits_soft_cap=CAP)
@@ -45,7 +33,7 @@ def test_dense_softcap_matches_float64(backend):
     assert (out.double() - uncapped).abs().max() > 10 * TOL[torch.float32][0], "the cap must change the output"
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", kernel_backends())
 def test_softcap_is_applied_before_the_skip_test(backend):
     case = _case()
     stats = oracle(case, None, softcap=CAP).tile_stats

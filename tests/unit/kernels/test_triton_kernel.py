@@ -273,19 +273,26 @@ def test_launch_configs_keep_decisions_and_rows(config):
     log_lams = log_lams_tensor(lams, case.batch)
     trials = safe_lambdas(case, torch.tensor([1e-3, 0.1, 0.6]).expand(case.batch, -1).contiguous())
     for ll, calibrate in ((log_lams, False), (log_lams_tensor(trials, case.batch), True), (None, False)):
-        expected = oracle(case, ll, calibrate=calibrate)
-        out = torch.full((case.q.shape[0] + 3, *case.q.shape[1:]), math.nan)
-        counts = triton_kernel.launch_triton(
-            *case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out, config=config,
-            **backend_law(case, ll),
-        )  # fmt: skip
-        torch.testing.assert_close(out[: case.q.shape[0]].double(), expected.out, atol=3e-5, rtol=1e-4)
-        assert torch.isnan(out[case.q.shape[0] :]).all()
-        if ll is None:
-            assert counts is None
-        else:
-            assert torch.equal(counts, expected.counts)
+        counts, expected = _launch_against_oracle(case, config, ll, calibrate)
+        if ll is not None:
             assert counts[..., 1].sum() > 0
+
+
+def _launch_against_oracle(case, config, log_lams, calibrate, sinks=None):
+    """`launch_triton` at ln λ [B, T] (None: dense) against the oracle: rows at fp32 tolerance, counts exactly, poisoned
+    rows past total_q unwritten. Returns (counts, the oracle's result)."""
+    expected = oracle(case, log_lams, calibrate=calibrate, sinks=sinks)
+    out = torch.full((case.q.shape[0] + 3, *case.q.shape[1:]), math.nan)
+    law = backend_law(case, None if log_lams is None else log_lams.to(torch.float32))
+    counts = triton_kernel.launch_triton(*case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out,
+                                         config=config, **({"sinks": sinks} if sinks is not None else {}), **law)
+    torch.testing.assert_close(out[: case.q.shape[0]].double(), expected.out, atol=3e-5, rtol=1e-4)
+    assert torch.isnan(out[case.q.shape[0] :]).all()
+    if log_lams is None:
+        assert counts is None
+    else:
+        assert torch.equal(counts, expected.counts)
+    return counts, expected
 
 
 @pytest.mark.parametrize(
@@ -310,18 +317,8 @@ def test_sinks_in_every_launch_config(config):
     log_lams = torch.tensor([[safe_log_lambda(x, stats[b])] for b, x in enumerate((-1.5, -1.0, -2.0))])
     trials = torch.tensor([[safe_log_lambda(x, stats[b]) for x in (-3.0, -1.2)] for b in range(case.batch)])
     for ll, calibrate in ((log_lams, False), (trials, True), (None, False)):
-        expected = oracle(case, ll, calibrate=calibrate, sinks=sinks)
-        out = torch.full((case.q.shape[0] + 2, *case.q.shape[1:]), math.nan)
-        counts = triton_kernel.launch_triton(
-            *case.args(), softmax_scale=case.scale, calibrate=calibrate, out=out, config=config, sinks=sinks,
-            **backend_law(case, None if ll is None else ll.to(torch.float32)),
-        )  # fmt: skip
-        torch.testing.assert_close(out[: case.q.shape[0]].double(), expected.out, atol=3e-5, rtol=1e-4)
-        assert torch.isnan(out[case.q.shape[0] :]).all()
-        if ll is None:
-            assert counts is None
-        else:
-            assert torch.equal(counts, expected.counts)
+        counts, _ = _launch_against_oracle(case, config, ll, calibrate, sinks)
+        if ll is not None:
             assert (counts[..., 1] > oracle(case, ll, calibrate=calibrate).counts[..., 1]).any()
 
 
