@@ -4,7 +4,7 @@
     python benchmarks/attention_inputs.py capture          # once: real Q/K/V in .cache/attention_inputs/
     python benchmarks/coherence.py --out artifacts/coherence.json
 
-The contract (docs/skip_softmax.md, version 2) decides per query row: row p drops key tile t > 0 (64 keys aligned
+The contract (docs/skip_softmax.md, versions 2 and 3) decides per query row: row p drops key tile t > 0 (64 keys aligned
 to absolute positions) when the tile's max scaled score minus the row's reference max (running max within the
 tile's 2048-key split, seeded with tile 0) is below ln λ. A GPU program holds several rows and saves a tile's exp,
 V load and P·V only when EVERY row it holds drops it:

@@ -2,11 +2,11 @@
 """What should a skip decision be: per query row, or per block of rows a GPU program holds? Quality at equal work.
 
 A GPU program saves a key tile's V load, exp and P·V only when every row it holds drops the tile (prefill: its block
-of query rows; decode: the query heads sharing a KV head). Contract version 2 decides per row, so part of what it
+of query rows; decode: the query heads sharing a KV head). Contract versions 2 and 3 decide per row, so part of what it
 drops costs accuracy without saving GPU work. This benchmark measures, on a real model and held-out text, perplexity
 against the work GPU programs can skip, for decision rules applied in every layer:
 
-- `row`: contract version 2 (docs/skip_softmax.md): each row drops tile t when g[t] - m[t] < ln λ, with m the running
+- `row`: contract versions 2 and 3 (skip_softmax.md): a row drops tile t when g[t] - m[t] < ln λ, with m the running
   max of the row's tiles in t's split, seeded with tile 0 (the anchor); tile 0 is never dropped.
 - `blockB`: the same test, but a tile is dropped for an aligned block of B prompt rows (absolute positions
   p // B equal) only when every row of the block that visits the tile would drop it (AND), as a program of B rows

@@ -6,7 +6,7 @@ with the plan's tensors, through the kernels' internal launch entry (`kernel_lau
 normalised here, once, into the form the kernels take, so `forward` does no validation, no normalisation, no host
 synchronisation and no copy of the query.
 
-What the kernel gets per sequence (docs/skip_softmax.md, version 2):
+What the kernel gets per sequence (docs/skip_softmax.md, version 3; sinks are per layer, not planned):
 
 - `prompt_lens` [B] int32: the request's prompt length (plugins/vllm/prompt_lens.py says where it comes from; the
   kernel's default rule where vLLM does not expose it). A row at `pos < prompt_len` is a prefill row.
