@@ -258,14 +258,11 @@ def paged_skip_softmax_attention_cpu(
     op, reason = _load()
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {reason}")
-    phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)
-    args = (
-        q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k), float(softmax_scale),
-        log_sf, gamma, _int32(prompt_lens), bool(calibrate), out, counts if log_sf is not None else None,
-        phase_index, phase_totals, float(softcap),
+    return launch_cpu(
+        q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k),
+        softmax_scale=float(softmax_scale), log_sf=log_sf, gamma=gamma, prompt_lens=_int32(prompt_lens),
+        calibrate=bool(calibrate), out=out, counts=counts, totals=totals, softcap=float(softcap), sinks=sinks, op=op,
     )  # fmt: skip
-    result = op(*args) if sinks is None else op(*args, sinks)
-    return result if log_sf is not None else None
 
 
 def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,

@@ -112,9 +112,9 @@ def _count(visited, dropped, counts_out, hq: int) -> None:
     counts_out[..., 1] += dropped.sum(dim=(2, 3, 4, 5))
 
 
-def _sink_softmax(s: torch.Tensor, sinks) -> torch.Tensor:
+def softmax_with_sinks(s: torch.Tensor, sinks) -> torch.Tensor:
     """Softmax over the last dim of `s`, with each head's sink (broadcast to s[..., :1], or None) joining the
-    denominator only (docs/skip_softmax.md, "The softmax with a sink")."""
+    denominator only (docs/skip_softmax.md, "The softmax with a sink"). Also the Hugging Face path's dense sinks."""
     if sinks is None:
         return torch.softmax(s, dim=-1)
     column = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
@@ -154,7 +154,7 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
         _count(visited, dropped, counts, hq)
         if apply_skip:
             s5.unflatten(-1, (-1, TILE_K)).masked_fill_(dropped[:, 0].unsqueeze(-1), -math.inf)
-    p = _sink_softmax(s, None if sink_hg is None else sink_hg[None, :, :, None])
+    p = softmax_with_sinks(s, None if sink_hg is None else sink_hg[None, :, :, None])
     out = torch.matmul(p, v.permute(0, 2, 1, 3))  # [N, Hkv, g, D]
     return out.reshape(n, hq, d), counts
 
@@ -193,7 +193,7 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
             _count(visited, dropped, counts, hq)
             if apply_skip:
                 s5.unflatten(-1, (-1, TILE_K)).masked_fill_(dropped[:, 0].unsqueeze(-1), -math.inf)
-        p = _sink_softmax(s, None if sink_hg is None else sink_hg[:, :, None, None])
+        p = softmax_with_sinks(s, None if sink_hg is None else sink_hg[:, :, None, None])
         o = torch.matmul(p, vh[:, :kv_end].unsqueeze(1))  # [Hkv, g, R, D]
         out[r0:r1] = o.reshape(hq, n_rows, d).permute(1, 0, 2)
     return out, None if counts is None else counts[0]

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
+from modelopt_ext.torch.kernels.sparsity.attention.reference import softmax_with_sinks
 
 from ..checkpoint.config_io import PHASES, PhaseCalibration
 
@@ -298,7 +299,7 @@ def dense_attention_with_sinks(
     "The softmax with a sink"), for modules that do not run sparse: query [B, Hq, q, D], key/value [B, Hkv, kv, D],
     `attention_mask` as the sdpa mask builder makes it (boolean: True = attend; additive float; None: causal,
     queries the last q positions) -> [B, q, Hq, D]. Scores are soft-capped (never the sinks) when `softcap` is set."""
-    batch, hq, q_len, d = query.shape
+    _, hq, q_len, d = query.shape
     hkv, kv_len = key.shape[1], key.shape[2]
     if hq % hkv:
         raise UnsupportedModelError(f"{_where(module)}: {hq} query heads do not group over {hkv} KV heads")
@@ -318,8 +319,7 @@ def dense_attention_with_sinks(
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
         scores = scores + attention_mask.to(scores.dtype)
-    sink_col = sinks.to(scores.dtype).view(1, hq, 1, 1).expand(batch, hq, q_len, 1)
-    probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    probs = softmax_with_sinks(scores, sinks.view(1, hq, 1, 1))
     if dropout and module.training:
         probs = nn.functional.dropout(probs, p=dropout)
     return torch.matmul(probs.to(value.dtype), v).transpose(1, 2).contiguous()
