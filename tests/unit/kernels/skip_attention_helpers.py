@@ -268,12 +268,14 @@ def default_prompt_lens(case: Case) -> list[int]:
 
 def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None,
            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> OracleResult:
-    """float64 implementation of docs/skip_softmax.md (v3), row by row.
+    """float64 implementation of docs/skip_softmax.md (v4), row by row, unit by unit.
 
     `log_lams`: [B, T] ln λ for every row (-inf = dense) or None; or `law = (log_sf [B, T, 2], gamma [B, 2],
     prompt_lens [B])`. Serving (calibrate=False) drops the tiles of trial 0; calibration keeps the output dense
     and counts every trial. `softcap` > 0: scores are cap·tanh(s / cap) before everything else. `sinks` [Hq]:
     attention sinks (never capped), in every tile's reference max and in the softmax denominator.
+    `tile_stats` are the units' statistics (the largest effective gap of a prompt block's rows or a decode row's
+    GQA group) of every droppable unit-tile: the values a threshold must stay clear of.
     """
     total_q, hq, d = case.q.shape
     group = hq // semantics.cache_geometry(case.k_cache)[2]
@@ -304,8 +306,9 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
         n_kb = math.ceil(kv / TILE_K)
         g = torch.stack([s[..., t * TILE_K : (t + 1) * TILE_K].amax(-1) for t in range(n_kb)], -1)  # [Hq, ql, nt]
         lams = None
+        prompt_len = kv if law is None else int(law[2][b])
         if law is not None:
-            lams = row_log_lambdas(law[0][b], law[1][b], int(law[2][b]), positions)  # [T, ql]
+            lams = row_log_lambdas(law[0][b], law[1][b], prompt_len, positions)  # [T, ql]
         seq_stats = []
         for t in range(n_kb):
             rows_visiting = positions >= t * TILE_K  # [ql]
@@ -319,10 +322,11 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
             if t > split_start:
                 ref = torch.maximum(ref, g[..., split_start:t].amax(-1))
             gap = g[..., t] - ref  # [Hq, ql]
-            seq_stats.append(gap[:, rows_visiting].flatten())
+            unit = unit_statistics(gap, positions, t, prompt_len, group)  # [Hq, ql]
+            seq_stats.append(unit[:, rows_visiting].flatten())
             if lams is None:
                 continue
-            drop = rows_visiting.unsqueeze(0).unsqueeze(0) & (gap.unsqueeze(0) < lams.unsqueeze(1))  # [T, Hq, ql]
+            drop = rows_visiting.unsqueeze(0).unsqueeze(0) & (unit.unsqueeze(0) < lams.unsqueeze(1))  # [T, Hq, ql]
             counts[b, :, 1] += drop.sum(dim=(1, 2))
             if not calibrate:
                 keep[..., t * TILE_K : (t + 1) * TILE_K] &= ~drop[0].unsqueeze(-1)
@@ -331,6 +335,30 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
         out[q0 : q0 + ql] = torch.matmul(p, v.repeat_interleave(group, dim=1).transpose(0, 1)).transpose(0, 1)
         stats.append(torch.cat(seq_stats) if seq_stats else torch.zeros(0, dtype=torch.float64))
     return OracleResult(out=out, counts=counts if law is not None else None, tile_stats=stats)
+
+
+def unit_statistics(gap: torch.Tensor, positions: torch.Tensor, t: int, prompt_len: int, group: int) -> torch.Tensor:
+    """Version 4's decision statistic of tile t for every (query head, row) of one sequence's call, by the letter of
+    docs/skip_softmax.md: a row's effective gap is its gap where it may drop t (it visits t and t lies wholly
+    before its recent window) and +inf elsewhere; a prompt row takes the largest effective gap over the prompt
+    rows of its aligned block (same head, in this call), a decode row the largest over its GQA group's heads."""
+    hq, ql = gap.shape
+    eff = gap.clone()
+    for r, pos in enumerate(positions.tolist()):
+        window_start = pos - semantics.RECENT_WINDOW + 1
+        if t * TILE_K > pos or t * TILE_K + TILE_K - 1 >= window_start:
+            eff[:, r] = math.inf
+    unit = torch.empty_like(eff)
+    for r, pos in enumerate(positions.tolist()):
+        if pos < prompt_len:
+            block = [i for i, p in enumerate(positions.tolist())
+                     if p < prompt_len and p // semantics.DECISION_BLOCK_ROWS == pos // semantics.DECISION_BLOCK_ROWS]
+            unit[:, r] = eff[:, block].amax(dim=1)
+        else:
+            for h in range(hq):
+                first = h // group * group
+                unit[h, r] = eff[first : first + group, r].max()
+    return unit
 
 
 def safe_log_lambda(log_lam: float, stats: torch.Tensor, margin: float = 2e-3) -> float:

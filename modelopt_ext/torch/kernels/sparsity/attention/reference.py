@@ -1,9 +1,10 @@
-"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v3).
+"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v4).
 
 For a chunk of query rows it computes the scores against the keys they can see, each row's tile maxima and its
 reference max per tile (running max within the tile's split, seeded with the row's tile 0 and the head's attention
-sink: docs/skip_softmax.md),
-decides per row which tiles it drops, and takes a softmax over the kept keys. The reference max is a function of
+sink: docs/skip_softmax.md), decides per unit (the prompt rows of an aligned block of one head, or the heads of a
+decode row's GQA group; no row drops a tile of its recent window) which tiles it drops, and takes a softmax over
+the kept keys. The reference max is a function of
 the scores alone, so this is exactly what an online-softmax kernel computes, and one dense pass yields the counts
 for any number of λ trials.
 
@@ -18,7 +19,15 @@ import math
 
 import torch
 
-from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q, cache_geometry, row_log_thresholds
+from .semantics import (
+    DECISION_BLOCK_ROWS,
+    SPLIT_TOKENS,
+    TILE_K,
+    TILE_Q,
+    cache_geometry,
+    first_droppable_window_tile,
+    row_log_thresholds,
+)
 
 # Upper bound on score elements materialised at once; bounds memory at long contexts.
 _MAX_SCORE_ELEMENTS = 1 << 24
@@ -68,32 +77,56 @@ def _exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None)
     return _exclusive_running_max(shaped, None).reshape(*tile_max.shape[:-1], -1)[..., :n_tiles]
 
 
-def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor, sinks=None):
-    """Per-row tile decisions of docs/skip_softmax.md for scores `s` [N, Hkv, g, R, n_tiles * TILE_K].
+def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor, sinks=None,
+                    prompt_rows: torch.Tensor | None = None):
+    """The tile decisions of docs/skip_softmax.md (version 4) for scores `s` [N, Hkv, g, R, n_tiles * TILE_K].
 
-    positions: [N, R] absolute row positions (invisible keys of `s` already -inf); log_lams: [N, T, R]; sinks:
-    None or the attention sinks as [Hkv, g] (they seed every tile's reference max, like the anchor).
+    positions: [N, R] absolute row positions, consecutive within each sequence (invisible keys of `s` already
+    -inf; rows of a prompt block must all be here: callers chunk rows at multiples of DECISION_BLOCK_ROWS);
+    log_lams: [N, T, R]; sinks: None or the attention sinks as [Hkv, g] (they seed every tile's reference max,
+    like the anchor); prompt_rows: [N, R] bool, which rows are prompt rows (pos < prompt_len), None = none.
     Returns (visited [N, R, n_tiles] bool, dropped [N, T, Hkv, g, R, n_tiles] bool).
+
+    A row's *effective gap* of a tile is its gap (tile max minus reference max) where the row may drop the tile
+    (visited, not tile 0, wholly before its recent window) and +inf elsewhere. A unit — the prompt rows of one
+    aligned block of one head, or the query heads of a decode row's GQA group — drops a tile iff the largest
+    effective gap of its members is below ln λ (its members share λ), so one dense pass still serves every λ.
     """
     n_tiles = s.shape[-1] // TILE_K
     tile_max = s.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [N, Hkv, g, R, nt]; -inf where nothing visible
     ref = torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
     if sinks is not None:
         ref = torch.maximum(ref, sinks.to(ref.dtype)[None, :, :, None, None])
-    gap = tile_max - ref
     tiles = torch.arange(n_tiles, device=s.device)
     visited = (tiles * TILE_K).view(1, 1, -1) <= positions.unsqueeze(-1)  # [N, R, nt]
-    droppable = visited & (tiles > 0).view(1, 1, -1)
-    dropped = droppable[:, None, None, None] & (gap.unsqueeze(1) < log_lams[:, :, None, None, :, None])
+    droppable = (tiles > 0).view(1, 1, -1) & (tiles.view(1, 1, -1) < first_droppable_window_tile(positions)[..., None])
+    gap = (tile_max - ref).masked_fill(~(visited & droppable)[:, None, None], math.inf)  # effective gaps
+    unit_gap = gap.amax(dim=2, keepdim=True).expand_as(gap)  # decode rows: the GQA group's largest
+    if prompt_rows is not None and bool(prompt_rows.any()):
+        unit_gap = torch.where(prompt_rows[:, None, None, :, None], _block_max(gap, positions, prompt_rows), unit_gap)
+    dropped = visited[:, None, None, None] & (unit_gap.unsqueeze(1) < log_lams[:, :, None, None, :, None])
     return visited, dropped
+
+
+def _block_max(gap: torch.Tensor, positions: torch.Tensor, prompt_rows: torch.Tensor) -> torch.Tensor:
+    """For every row, the largest effective gap [N, Hkv, g, R, nt] over the prompt rows of its aligned block
+    (positions // DECISION_BLOCK_ROWS; decode rows take no part); decode rows get anything (the caller masks them)."""
+    block = positions // DECISION_BLOCK_ROWS
+    local = block - block[:, :1]  # rows are consecutive: 0 .. n_blocks - 1 within each sequence
+    n_blocks = int(local.max()) + 1
+    member = gap.masked_fill(~prompt_rows[:, None, None, :, None], -math.inf)
+    shape = (*gap.shape[:3], n_blocks, gap.shape[-1])
+    index = local[:, None, None, :, None].expand_as(gap)
+    per_block = gap.new_full(shape, -math.inf).scatter_reduce_(3, index, member, reduce="amax")
+    return per_block.gather(3, index)
 
 
 def decode_tile_drops(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, skip_threshold: float) -> torch.Tensor:
     """Which tiles each query head of one decode row drops at a constant λ: q [Hq, D], logical K [kv_len, Hkv, D]
     (any float dtype; scored in float64). Returns bool [Hkv, Hq // Hkv, n_tiles].
 
-    A kernel reads a tile's V unless every head of its GQA group drops it, so `.all(1)` of this is what decode
-    saves in bytes (benchmarks/bench_cpu.py reports it beside the row-tile sparsity).
+    A decode row decides per GQA group (version 4), so the heads of a group agree and a kernel skips the V of
+    every tile they drop (benchmarks/bench_cpu.py reports it beside the row-tile sparsity).
     """
     kv_len, hkv, d = k.shape
     kv_pad = _ceil_to(kv_len, TILE_K)
@@ -132,9 +165,10 @@ def _cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype, softcap=0.0,
-                      sinks=None):
-    """Sequences with one new row each (decode steps), batched: q [N, Hq, D]; pages [N, P]; kv_lens [N] int64;
-    log_lams [N, T] or None; sinks [Hq] or None. Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
+                      sinks=None, prompt_lens=None):
+    """Sequences with one new row each (decode steps, or a prompt's last row alone), batched: q [N, Hq, D]; pages
+    [N, P]; kv_lens [N] int64; log_lams [N, T] or None; sinks [Hq] or None; prompt_lens [N] or None (every row
+    a decode row). Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
     n, hq, d = q.shape
     hkv = cache_geometry(k_cache)[2]
     group = hq // hkv
@@ -149,7 +183,9 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     counts = None
     if log_lams is not None:
         s5 = s.unsqueeze(3)  # one row: [N, Hkv, g, 1, kv_pad]
-        visited, dropped = _drop_decisions(s5, (kv_lens - 1).unsqueeze(1), log_lams.unsqueeze(-1), sink_hg)
+        positions = (kv_lens - 1).unsqueeze(1)
+        prompt_rows = None if prompt_lens is None else positions < prompt_lens.to(positions).unsqueeze(1)
+        visited, dropped = _drop_decisions(s5, positions, log_lams.unsqueeze(-1), sink_hg, prompt_rows)
         counts = torch.zeros(n, log_lams.shape[1], 2, dtype=torch.int64, device=q.device)
         _count(visited, dropped, counts, hq)
         if apply_skip:
@@ -159,10 +195,13 @@ def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, appl
     return out.reshape(n, hq, d), counts
 
 
-def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip, softcap=0.0, sinks=None):
+def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_skip, softcap=0.0, sinks=None,
+                        prompt_len=None):
     """One sequence with several new rows: q [q_len, Hq, D], k/v [kv_pad, Hkv, D] (compute dtype, v zeroed past
-    kv_len). `log_lams_fn(positions [R]) -> [T, R]` or None; sinks [Hq] or None. Returns (out [q_len, Hq, D],
-    counts [T, 2] or None)."""
+    kv_len). `log_lams_fn(positions [R]) -> [T, R]` or None; sinks [Hq] or None; prompt_len: the request's (rows
+    before it are prompt rows; None = kv_len). Rows are taken in chunks aligned to absolute multiples of
+    DECISION_BLOCK_ROWS, so a prompt block's rows decide together. Returns (out [q_len, Hq, D], counts [T, 2] or
+    None)."""
     q_len, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -175,10 +214,10 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
     out = torch.empty(q_len, hq, d, dtype=q.dtype, device=q.device)
     offset = kv_len - q_len  # row p sits at position offset + p and sees keys 0 .. offset + p
 
+    prompt_len = kv_len if prompt_len is None else prompt_len
     budget_rows = _MAX_SCORE_ELEMENTS // max(1, hq * k.shape[0])
-    rows_per_chunk = max(16, min(_PREFILL_ROWS, budget_rows))
-    for r0 in range(0, q_len, rows_per_chunk):
-        r1 = min(q_len, r0 + rows_per_chunk)
+    rows_per_chunk = max(1, min(_PREFILL_ROWS, budget_rows) // DECISION_BLOCK_ROWS) * DECISION_BLOCK_ROWS
+    for r0, r1 in _aligned_chunks(offset, q_len, rows_per_chunk):
         n_rows = r1 - r0
         kv_end = _ceil_to(offset + r1, TILE_K)  # keys any row of the chunk can see, whole tiles
         s = _cap(torch.matmul(qh[:, :, r0:r1], kt[:, :, :kv_end].unsqueeze(1)).mul_(scale), softcap)  # [Hkv,g,R,kv]
@@ -189,7 +228,7 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
         if log_lams_fn is not None:
             s5 = s.unsqueeze(0)
             visited, dropped = _drop_decisions(s5, positions.unsqueeze(0), log_lams_fn(positions).unsqueeze(0),
-                                               sink_hg)
+                                               sink_hg, (positions < prompt_len).unsqueeze(0))
             _count(visited, dropped, counts, hq)
             if apply_skip:
                 s5.unflatten(-1, (-1, TILE_K)).masked_fill_(dropped[:, 0].unsqueeze(-1), -math.inf)
@@ -197,6 +236,15 @@ def _multi_row_sequence(q, k, v, kv_len, scale, log_lams_fn, n_trials, apply_ski
         o = torch.matmul(p, vh[:, :kv_end].unsqueeze(1))  # [Hkv, g, R, D]
         out[r0:r1] = o.reshape(hq, n_rows, d).permute(1, 0, 2)
     return out, None if counts is None else counts[0]
+
+
+def _aligned_chunks(offset: int, q_len: int, rows: int):
+    """(r0, r1) row ranges covering 0 .. q_len whose cuts fall on absolute positions that are multiples of `rows`."""
+    r0 = 0
+    while r0 < q_len:
+        r1 = min(q_len, ((offset + r0) // rows + 1) * rows - offset)
+        yield r0, r1
+        r0 = r1
 
 
 def _decode_sub_batches(single: list[int], lens: list[int], per_key: int):
@@ -235,6 +283,7 @@ def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_
         o, c = _single_row_batch(
             q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
             softmax_scale, log_lams, apply_skip, dtype, softcap, sinks,
+            None if prompt_lens is None else prompt_lens.index_select(0, idx),
         )
         out.index_copy_(0, rows, o.to(out.dtype))
         if c is not None:
@@ -257,7 +306,8 @@ def _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k
                 return row_log_thresholds(log_sf[b : b + 1], gamma[b : b + 1], prompt_lens[b : b + 1],
                                           positions.unsqueeze(0))[0]
         o, c = _multi_row_sequence(
-            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap, sinks
+            q[q0:q1].to(dtype), k, v, kv_len, softmax_scale, log_lams_fn, n_trials, apply_skip, softcap, sinks,
+            None if prompt_lens is None else int(prompt_lens[b]),
         )
         out[q0:q1] = o.to(out.dtype)
         if c is not None:

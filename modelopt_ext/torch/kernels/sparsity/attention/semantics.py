@@ -22,9 +22,28 @@ DECODE_SPLIT_TOKENS = SPLIT_TOKENS
 """Version-1 name of `SPLIT_TOKENS` (splits now apply to every row, not only decode)."""
 
 TILE_Q = 64
-"""Rows per work block of the kernels (not part of the semantics: decisions are per row)."""
+"""Rows per work block of the kernels (a multiple of `DECISION_BLOCK_ROWS`, aligned the same way)."""
+
+CONTRACT_VERSION = 4
+"""The version of docs/skip_softmax.md every path implements (4: block / group decisions and the recent window)."""
+
+DECISION_BLOCK_ROWS = 64
+"""Prompt rows decide per aligned block of this many absolute positions (`pos // DECISION_BLOCK_ROWS`) of one query
+head: a block drops a tile only when every one of its prompt rows in the call drops it. For the decisions not to
+depend on chunking, a caller cuts prompts into calls only at multiples of it (the vLLM plugin's scheduler does)."""
+
+RECENT_WINDOW = 128
+"""A row never drops a tile holding one of its own `RECENT_WINDOW` most recent keys (`pos - RECENT_WINDOW + 1 ..
+pos`), before its block's or its group's AND."""
 
 assert SPLIT_TOKENS % TILE_K == 0
+assert TILE_Q % DECISION_BLOCK_ROWS == 0
+
+
+def first_droppable_window_tile(pos):
+    """Tiles `t` with `t < first_droppable_window_tile(pos)` lie wholly before the row's recent window (keys
+    `pos - RECENT_WINDOW + 1 .. pos`); the row may drop only those (and never tile 0). Works on ints and tensors."""
+    return (pos - RECENT_WINDOW + 1) // TILE_K
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_size: int, max_seqlen_k: int) -> tuple[int, int]:
