@@ -28,7 +28,10 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
     write_json_atomic,
     write_sparse_attention_config,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import MODELOPT_STATIC_THRESHOLD
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import (
+    CONTRACT_VERSION,
+    MODELOPT_STATIC_THRESHOLD,
+)
 
 # The skip group of the example output in ModelOpt 0.47's conversion.export_sparse_attention_config docstring.
 SKIP_GROUP = {
@@ -336,6 +339,30 @@ def _ckpt(tmp_path, extra=None):
     return tmp_path
 
 
+def test_contract_version_is_the_kernels_and_an_older_calibration_warns_naming_the_fix(caplog):
+    """Our calibrations record the contract they were made under (a λ means something else in another version):
+    a block of ours without it (made before version 4) or with another version still loads, with a warning that
+    names the recalibration; the checkpoint constant is the kernels' own."""
+    from modelopt_ext.torch.kernels.sparsity.attention.semantics import CONTRACT_VERSION as KERNELS_VERSION
+
+    assert CONTRACT_VERSION == KERNELS_VERSION == 4
+    ours = {"name": "modelopt_ext", "version": "0.9.0"}
+    for version, expected in [(None, "before contract versions were recorded"), (3, "under contract version 3"),
+                              (CONTRACT_VERSION, None)]:  # fmt: skip
+        block = _block(**({} if version is None else {"contract_version": version}))
+        block["producer"] = ours
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            settings = parse_sparse_attention_config(block)
+        assert settings.prefill is not None
+        if expected is None:
+            assert "Recalibrate" not in caplog.text
+        else:
+            assert expected in caplog.text and "calibrate_sparse_attn.py" in caplog.text
+    with pytest.raises(SparseAttentionConfigError, match="contract_version"):
+        parse_sparse_attention_config(_block(contract_version=0))
+
+
 def test_build_write_load_round_trip(tmp_path):
     ckpt = _ckpt(tmp_path)
     fits = {
@@ -351,7 +378,7 @@ def test_build_write_load_round_trip(tmp_path):
     assert g["observed_sparsity_range"] == {"prefill": [0.05, 0.93], "decode": [0.1, 0.8]}
     assert g["fit"] == {"prefill": {"r2": 0.97, "n_points": 412}, "decode": {"r2": 0.9, "n_points": 50}}
     assert g["length_exponent"] == {"prefill": 0.8}  # ModelOpt's γ = 1 is not written
-    assert block["producer"]["name"] == "modelopt_ext"
+    assert block["producer"]["name"] == "modelopt_ext" and g["contract_version"] == CONTRACT_VERSION
     write_sparse_attention_config(ckpt, block)
     s = load_sparse_attention_config(ckpt)
     assert s == SparseAttentionSettings(
@@ -438,6 +465,7 @@ def test_recalibration_keeps_policy_and_other_groups(tmp_path, caplog):
         "initial_disabled_steps": 3,  # policy kept
         "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "prefill": {"a": 3.0, "b": 7.0}},
         "target_sparsity": {"prefill": 0.4},  # calibration replaced as a whole: no stale decode, range, fit, γ
+        "contract_version": CONTRACT_VERSION,
     }
     assert sac["sparse_softmax"] == {"sparsity_n": 2}
     assert sac["producer"] == block["producer"]

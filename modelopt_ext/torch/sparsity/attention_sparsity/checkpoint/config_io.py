@@ -22,6 +22,7 @@ from .atomic_io import backup_file, write_json_atomic, write_text_atomic
 from .constants import (
     BLOCK_KEY,
     CALIBRATION_KEYS,
+    CONTRACT_VERSION,
     DEFAULT_TARGET_SPARSITY,
     FORMULA,
     KNOWN_ALGORITHMS,
@@ -223,6 +224,8 @@ def build_sparse_attention_config(
     group["threshold_scale_factor"] = sections["threshold_scale_factor"]
     group["target_sparsity"] = sections["target_sparsity"]
     group.update((key, sections[key]) for key in _PHASE_SECTIONS[2:] if sections[key])
+    if any(fits.get(phase) is not None for phase in PHASES):
+        group["contract_version"] = CONTRACT_VERSION
     block = {
         "config_groups": {group_name: group},
         "producer": dict(producer) if producer else {"name": PRODUCER_NAME, "version": _producer_version()},

@@ -34,7 +34,12 @@ CALIBRATION_KEYS = (
     "length_exponent",
     "length_exponent_slope",
     "reference_length",
+    "contract_version",
 )
+# The version of docs/skip_softmax.md our calibrations are made under (equal to
+# modelopt_ext.torch.kernels.sparsity.attention.semantics.CONTRACT_VERSION; a test checks). Written into the
+# skip_softmax group as `contract_version`: a calibration made under another version means something else by λ.
+CONTRACT_VERSION = 4
 
 # Mode config (sparse_cfg).
 METHODS = ("skip_softmax",)

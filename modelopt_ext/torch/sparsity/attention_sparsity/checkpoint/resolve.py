@@ -32,6 +32,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .constants import (
     BLOCK_KEY,
+    CONTRACT_VERSION,
     DEFAULT_TARGET_SPARSITY,
     LENGTH_EXPONENT_PIVOT,
     LENGTH_EXPONENT_RANGE,
@@ -313,18 +314,33 @@ def _calibrated_phase(group: SkipSoftmaxGroup, phase: str, gpath: str) -> PhaseC
     )
 
 
-def _warn_about_served_phases(model: SparseAttentionBlock, phases: dict, gpath: str) -> None:
-    """Say when nothing is served sparse, and when ModelOpt's (a, b) will realize more sparsity here than targeted."""
+def _warn_about_served_phases(model: SparseAttentionBlock, group: SkipSoftmaxGroup, phases: dict,
+                              gpath: str) -> None:  # fmt: skip
+    """Say when nothing is served sparse, and when the calibration was made under other semantics than the ones
+    served (NVIDIA ModelOpt's, or an earlier or later version of docs/skip_softmax.md), so the target will not hold."""
     if all(cal is None for cal in phases.values()):
         logger.warning("%s: no phase is calibrated with a > 0; the checkpoint is served dense", gpath)
     producer = (model.producer or {}).get("name")
     calibrated = [p for p in PHASES if phases[p] is not None and not phases[p].is_static]
-    if producer == "modelopt" and calibrated:
+    if not calibrated:
+        return
+    if producer == "modelopt":
         logger.warning(
             "%s: calibrated by NVIDIA ModelOpt, whose (a, b) count sparsity in blocks of 128 query rows x 128 keys; "
-            "modelopt_ext drops per row and 64-key tile, so the same (a, b) realizes a higher sparsity here than "
-            "the target (README, 'Compatibility with NVIDIA ModelOpt'). Recalibrate with modelopt_ext to serve the "
+            "modelopt_ext decides per aligned block of 64 prompt rows (and per GQA group of decode rows) on 64-key "
+            "tiles and never drops a row's 128 most recent keys, so the same (a, b) does not realize the target "
+            "here (README, 'Compatibility with NVIDIA ModelOpt'). Recalibrate with modelopt_ext to serve the "
             "target; recalibration keeps the group's ignore list and other policy", gpath,
+        )  # fmt: skip
+    elif (group.contract_version or 0) != CONTRACT_VERSION:
+        made = "before contract versions were recorded (version 3 or earlier: per-row decisions, no recent window)"
+        if group.contract_version is not None:
+            made = f"under contract version {group.contract_version}"
+        logger.warning(
+            "%s: calibrated %s; this modelopt_ext serves version %d (docs/skip_softmax.md), whose decisions drop "
+            "less at the same (a, b), so realized sparsity will be below the target. Recalibrate "
+            "(examples/vllm_serve/calibrate_sparse_attn.py, or mtsa.sparsify with a calibration): it keeps the "
+            "group's ignore list and other policy", gpath, made, CONTRACT_VERSION,
         )  # fmt: skip
 
 
@@ -341,7 +357,7 @@ def resolve_settings(model: SparseAttentionBlock, *, path: str = BLOCK_KEY) -> S
         phases = _static_phases(group, gpath)
     else:
         phases = {phase: _calibrated_phase(group, phase, gpath) for phase in PHASES}
-    _warn_about_served_phases(model, phases, gpath)
+    _warn_about_served_phases(model, group, phases, gpath)
     return SparseAttentionSettings(
         prefill=phases["prefill"],
         decode=phases["decode"],

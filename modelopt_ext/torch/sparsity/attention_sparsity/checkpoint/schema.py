@@ -297,6 +297,7 @@ class SkipSoftmaxGroup(_Open):
     length_exponent: PhaseExponents | None = None
     length_exponent_slope: PhaseSlopes | None = None
     reference_length: PhaseLengths | None = None
+    contract_version: PositiveInt | None = None
 
     def calibrated(self, phase: str) -> ABParams | None:
         return None if self.threshold_scale_factor is None else self.threshold_scale_factor.get(phase)
