@@ -39,8 +39,9 @@ def _case(seed: int, n: int = 2300, hq: int = 4, hkv: int = 2, d: int = 16):
     return q, k, v
 
 
-def _reference(q, k, v, lam: float):
-    """The package reference on the same prompt in a paged cache (page = TILE_K), λ on every row, with counts."""
+def _reference(q, k, v, lam: float, prompt_len: int | None = None):
+    """The package reference on the same prompt in a paged cache (page = TILE_K), λ on every row, with counts;
+    `prompt_len` < n makes the rows from it on decode rows (decided per GQA group)."""
     hq, n, d = q.shape
     pages = math.ceil(n / TILE_K)
     cache = [torch.full((pages * TILE_K, k.shape[0], d), float("nan"), dtype=torch.float64) for _ in range(2)]
@@ -49,20 +50,23 @@ def _reference(q, k, v, lam: float):
         q.transpose(0, 1).contiguous(), cache[0].view(pages, TILE_K, -1, d), cache[1].view(pages, TILE_K, -1, d),
         torch.arange(pages, dtype=torch.int32)[None], torch.tensor([0, n], dtype=torch.int32),
         torch.tensor([n], dtype=torch.int32), softmax_scale=d**-0.5, skip_threshold=lam, return_skip_counts=True,
-        backend="torch",
+        backend="torch", prompt_lens=None if prompt_len is None else torch.tensor([prompt_len], dtype=torch.int32),
     )  # fmt: skip
     return out.transpose(0, 1), counts
 
 
 @pytest.mark.parametrize("lam", [3e-3, 5e-2])
-def test_row_rule_is_the_contract(dq, lam):
-    """The `row` rule drops what the reference drops (same count) and its masked softmax gives the reference's
-    output (float64 inputs; 1e-10: the same keys enter both softmaxes, in another order)."""
+@pytest.mark.parametrize("rule", ["block64+win128", "gqa+win128"])
+def test_version_4_rules_are_the_contract(dq, lam, rule):
+    """Contract version 4 is `block64+win128` for prompt rows and `gqa+win128` for decode rows: each drops what
+    the reference drops (same count) and its masked softmax gives the reference's output (float64 inputs; 1e-10:
+    the same keys enter both softmaxes, in another order). The reference takes every row after the first as a
+    decode row for the group rule (a teacher-forced continuation)."""
     q, k, v = _case(1)
     rec = dq.Recorder(group=2)
-    rec.rule, rec.ln_lambda = "row", math.log(lam)
+    rec.rule, rec.ln_lambda = rule, math.log(lam)
     out = dq.decided_attention(rec, q, k, v, q.shape[-1] ** -0.5)
-    ref_out, counts = _reference(q, k, v, lam)
+    ref_out, counts = _reference(q, k, v, lam, prompt_len=None if rule.startswith("block") else 1)
     assert counts.sum().item() > 0 and rec.counts["row"] == [int(counts[0, 0, 1]), int(counts[0, 0, 0])]
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
 
