@@ -137,15 +137,16 @@ def _direct(query, key, value, scaling, sinks, **kw):
                                         **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("q_len,kv_len,batch", [(96, 96, 2), (40, 200, 1), (1, 333, 3)])
+@pytest.mark.parametrize("q_len,kv_len,batch", [(320, 320, 2), (64, 448, 1), (1, 600, 3)])
 def test_hf_path_hands_s_aux_to_the_kernel(q_len, kv_len, batch):
     model = make_tiny_gpt_oss(6, layer_types=("full_attention",))
     mtsa.sparsify(model, {"*self_attn*": {"thresholds": 0.05, "backend": "torch"}})
     module = model.model.layers[0].self_attn
     state = getattr(module, STATE_ATTR)
-    # no anchor key: what skips is what the sinks make skippable (head 0's is far above every score)
+    # no anchor key: what skips is what the sinks make skippable (heads 0 and 1, one GQA group, far above every
+    # score: a decode row's group decides together)
     query, key, value = _hf_inputs(q_len, kv_len, batch, q_len * 1000 + kv_len, anchor_norm=0.0)
-    sinks = torch.tensor([30.0, -2.0, 4.5, 0.5], dtype=torch.float64)
+    sinks = torch.tensor([30.0, 25.0, 4.5, 0.5], dtype=torch.float64)
     out, weights = skip_softmax_attention_forward(module, query, key, value, None, scaling=0.25, s_aux=sinks)
     assert weights is None
     ref, ref_counts = _direct(query, key, value, 0.25, sinks, skip_threshold=0.05, return_skip_counts=True)
@@ -169,9 +170,9 @@ def test_calibration_counts_include_the_sinks():
     mtsa.sparsify(model, {"*self_attn*": {"backend": "torch"}})
     module = model.model.layers[0].self_attn
     state = getattr(module, STATE_ATTR)
-    query, key, value = _hf_inputs(130, 130, 1, 7, anchor_norm=0.0)
+    query, key, value = _hf_inputs(400, 400, 1, 7, anchor_norm=0.0)
     sinks = torch.tensor([30.0, -2.0, 4.5, 0.5], dtype=torch.float64)
-    factors = [0.5, 4.0, 30.0]
+    factors = [0.5, 4.0, 30.0, 120.0]
     state.collector = CountCollector(factors)
     try:
         out, _ = skip_softmax_attention_forward(module, query, key, value, None, scaling=0.25, s_aux=sinks)
@@ -182,8 +183,8 @@ def test_calibration_counts_include_the_sinks():
     log_sf = torch.tensor([[math.log(sf)] * 2 for sf in factors], dtype=torch.float32).expand(1, -1, 2)
     dense, counts = _direct(query, key, value, 0.25, sinks, log_scale_factors=log_sf,
                             length_exponents=torch.ones(2))  # fmt: skip
-    torch.testing.assert_close(out, dense.view(1, 130, 4, 16), rtol=0, atol=1e-12)
-    assert len(records) == 1 and records[0].phase == "prefill" and records[0].kv_len == 130
+    torch.testing.assert_close(out, dense.view(1, 400, 4, 16), rtol=0, atol=1e-12)
+    assert len(records) == 1 and records[0].phase == "prefill" and records[0].kv_len == 400
     assert torch.equal(torch.as_tensor(records[0].counts), counts[0])
     _, counts_without = _direct(query, key, value, 0.25, None, log_scale_factors=log_sf,
                                 length_exponents=torch.ones(2))  # fmt: skip
