@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention.reference import _exclusive_running_max
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K, first_droppable_window_tile
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = (0.5, 0.7, 0.9)
@@ -105,6 +105,15 @@ def score_gaps(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     gap = torch.where(visited.unsqueeze(0), gap, torch.full_like(gap, -math.inf))
     gap[..., 0] = math.inf
     return gap
+
+
+def protect_window(gaps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Contract version 4's recent window on row-tile gaps [H, R, nt] of rows at `positions` [R]: a visited tile
+    holding one of the row's RECENT_WINDOW most recent keys gets +inf (never dropped, and it keeps the tile for a
+    block or group whose statistic is the largest gap)."""
+    tiles = torch.arange(gaps.shape[-1], device=gaps.device)
+    window = tiles[None, :] >= first_droppable_window_tile(positions.to(gaps.device))[:, None]  # [R, nt]
+    return gaps.masked_fill(window.unsqueeze(0) & (gaps > -math.inf), math.inf)
 
 
 def sequence_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, length: int | None = None,
@@ -165,10 +174,12 @@ def group_stat(gaps: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def prefill_program_share(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, lam: float, block_rows: int,
-                          key_tile: int = TILE_K, max_blocks: int | None = 64, length: int | None = None) -> dict:
+                          key_tile: int = TILE_K, max_blocks: int | None = 64, length: int | None = None,
+                          window: bool = False) -> dict:
     """At a plain λ, on one prompt (row p at position p; q [N, Hq, D], k [N, Hkv, D]): the share of (query head,
-    row block, key tile) programs every needing row drops ("program"), and the row-tile sparsity ("row").
-    With more than `max_blocks` blocks, evenly spaced blocks are measured (an estimate; None: all)."""
+    row block, key tile) programs every needing row drops ("program"), and the row-tile sparsity ("row") of per-row
+    decisions (versions 2-3). With more than `max_blocks` blocks, evenly spaced blocks are measured (an estimate;
+    None: all). `window`: rows keep their recent window first (`protect_window`; 64-row blocks are then version 4)."""
     length = length or q.shape[0]
     log_lam = math.log(lam)
     nb = -(-length // block_rows)
@@ -179,6 +190,8 @@ def prefill_program_share(q: torch.Tensor, k: torch.Tensor, softmax_scale: float
         r0, r1 = b * block_rows, min(length, (b + 1) * block_rows)
         gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, torch.arange(r0, r1, device=q.device)).cpu()
         pos = torch.arange(r0, r1)
+        if window:
+            gaps = protect_window(gaps, pos)
         nt = gaps.shape[-1]
         vis = (torch.arange(nt) * TILE_K)[None, :] <= pos[:, None]
         m = key_tile // TILE_K
@@ -194,12 +207,16 @@ def prefill_program_share(q: torch.Tensor, k: torch.Tensor, softmax_scale: float
                 blocks=len(chosen), of_blocks=nb)
 
 
-def decode_group_share(q_row: torch.Tensor, k: torch.Tensor, softmax_scale: float, lam: float) -> dict:
+def decode_group_share(q_row: torch.Tensor, k: torch.Tensor, softmax_scale: float, lam: float,
+                       window: bool = False) -> dict:
     """At a plain λ, one decode row (q_row [Hq, D] at position len(k) − 1): the share of (KV head, tile) pairs the
-    whole GQA group drops ("program": V tiles a decode program skips) and the row-tile sparsity ("row")."""
+    whole GQA group drops ("program": V tiles a decode program skips; version 4's count with `window`) and the
+    row-tile sparsity of per-row decisions ("row")."""
     hq, hkv = q_row.shape[0], k.shape[1]
     pos = torch.tensor([k.shape[0] - 1], device=q_row.device)
     gaps = row_tile_gaps(q_row[None], k, softmax_scale, pos).cpu()  # [Hq, 1, nt]
+    if window:
+        gaps = protect_window(gaps, pos.cpu())
     log_lam = math.log(lam)
     nt = gaps.shape[-1]
     grp = group_stat(gaps, hq // hkv)
@@ -212,15 +229,20 @@ class ProgramShare:
     rows (all blocks when fewer), for decode (q [1, Hq, D] at position len(k) − 1) the GQA-group maxima. `share(λ)`
     is then the fraction of (program, 64-key tile) pairs the program can skip, `row(λ)` the row-tile sparsity of
     the same rows. `group_heads`: a prefill program holds the block's rows of a KV head's whole GQA group (the
-    compiled CPU kernel's work item) instead of one query head. Computed on the inputs' device, kept on the CPU."""
+    compiled CPU kernel's work item) instead of one query head. Computed on the inputs' device, kept on the CPU.
+    `window` (default: contract version 4): rows keep their recent window before the program's AND, so for 64-row
+    programs and decode `share(λ)` is what the version-4 kernels skip; `row(λ)` stays the per-row rate."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float, phase: str, block_rows: int = 64,
-                 max_blocks: int = 64, group_heads: bool = False, rows: bool = True):
+                 max_blocks: int = 64, group_heads: bool = False, rows: bool = True, window: bool = True):
         self.phase, self.block_rows = phase, block_rows
         keep_rows = rows  # `row(λ)` needs every row-tile gap; the benchmarks need only `share`
         stats, needs, rows, vis = [], [], [], []
         if phase == "decode":
-            gaps = row_tile_gaps(q[-1:], k, softmax_scale, torch.tensor([k.shape[0] - 1], device=q.device))
+            pos = torch.tensor([k.shape[0] - 1], device=q.device)
+            gaps = row_tile_gaps(q[-1:], k, softmax_scale, pos)
+            if window:
+                gaps = protect_window(gaps, pos)
             hq, hkv = q.shape[1], k.shape[1]
             stats.append(group_stat(gaps, hq // hkv).cpu().float())
             needs.append(torch.ones(gaps.shape[1:], dtype=torch.bool))
@@ -235,6 +257,8 @@ class ProgramShare:
                 r0, r1 = b * block_rows, min(n, (b + 1) * block_rows)
                 pos = torch.arange(r0, r1, device=q.device)
                 gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, pos)
+                if window:
+                    gaps = protect_window(gaps, pos)
                 v = ((torch.arange(gaps.shape[-1], device=q.device) * TILE_K)[None, :] <= pos[:, None])
                 stat = gaps.amax(1)  # [H, nt]
                 if group_heads:

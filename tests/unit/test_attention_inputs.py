@@ -107,17 +107,28 @@ def _structured(n: int, hq: int, hkv: int, d: int, seed: int = 0):
 
 
 def test_coherence_decisions_equal_the_reference_counts():
+    """coherence.py's per-row gaps, protected by the recent window and reduced over contract version 4's units
+    (`block_stat` over aligned 64-row blocks for a prompt, `group_stat` over a decode row's GQA group), count what
+    the reference drops."""
     from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
-    from modelopt_ext.torch.kernels.sparsity.attention.semantics import log_thresholds
+    from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
+        DECISION_BLOCK_ROWS,
+        first_droppable_window_tile,
+        log_thresholds,
+    )
 
     n, hq, hkv, d = 2200, 4, 2, 16  # past one 2048-key split: the anchor and the split restart are exercised
     q, k, v = _structured(n, hq, hkv, d)
     scale = d**-0.5
     gaps = co.sequence_gaps(q, k, scale)
     assert gaps.dtype == torch.float64 and gaps.shape == (hq, n, -(-n // 64))
+    tiles = torch.arange(gaps.shape[-1])
+    in_window = tiles[None, :] >= first_droppable_window_tile(torch.arange(n))[:, None]  # [n, nt]
+    gaps = gaps.masked_fill(in_window & co.visited_mask(n), math.inf)
     lams = [1e-6, 1e-3, 0.05, 0.3, 0.8]
     log_lams = log_thresholds(torch.tensor(lams)).tolist()
-    finite = gaps[torch.isfinite(gaps)]
+    stat, needed = co.block_stat(gaps, DECISION_BLOCK_ROWS)
+    finite = stat[torch.isfinite(stat)]
     for ll in log_lams:  # no statistic within float rounding of a threshold (the contract leaves those open)
         assert (finite - ll).abs().min() > 1e-6
     table = torch.zeros(1, 1, dtype=torch.int32)
@@ -126,21 +137,21 @@ def test_coherence_decisions_equal_the_reference_counts():
     _, counts = paged_skip_softmax_attention(q, k[None], v[None], table, cu, lens, softmax_scale=scale,
                                              threshold_trials=lams, backend="torch")
     visited = int(co.visited_mask(n).sum()) * hq
-    ours = [int(co.drops(gaps, ll).sum()) for ll in log_lams]
+    rows_visiting = co.block_rows_visiting(n, DECISION_BLOCK_ROWS, gaps.shape[-1])  # [nb, nt]
+    ours = [int((((stat < ll) & needed) * rows_visiting).sum()) for ll in log_lams]
     assert counts[0, :, 0].tolist() == [visited] * len(lams)
     assert counts[0, :, 1].tolist() == ours
-    assert 0 < ours[0] < ours[-1]
+    assert ours == sorted(ours) and ours[-1] > 0
 
-    # a decode row (the last position) as the reference decides it, and its GQA-group share
+    # a decode row (the last position) as the reference decides it: per GQA group
     gd = co.row_tile_gaps(q[-1:], k, scale, torch.tensor([n - 1]))
+    gd = gd.masked_fill(tiles[None, None, :] >= first_droppable_window_tile(n - 1), math.inf)
     _, c1 = paged_skip_softmax_attention(q[-1:], k[None], v[None], table, torch.tensor([0, 1], dtype=torch.int32),
                                          lens, softmax_scale=scale, skip_threshold=0.3, return_skip_counts=True,
                                          backend="torch")
     ll = log_lams[3]
-    assert int(c1[0, 0, 1]) == int(co.drops(gd, ll).sum())
-    dec = co.decode_group_share(q[-1], k, scale, math.exp(ll))
-    assert dec["row"] == pytest.approx(int(c1[0, 0, 1]) / int(c1[0, 0, 0]))
-    assert dec["program"] <= dec["row"]
+    group_drops = co.drops(co.group_stat(gd, hq // hkv), ll)  # [Hkv, 1, nt]
+    assert int(c1[0, 0, 1]) == int(group_drops.sum()) * (hq // hkv) > 0
 
 
 def test_block_share_is_at_most_the_row_share_and_equal_for_one_row_blocks():
@@ -183,13 +194,13 @@ def test_program_share_matches_the_direct_count():
     q, k, _ = _structured(n, hq, hkv, d, seed=5)
     scale = d**-0.5
     for lam in (1e-3, 0.2):
-        direct = co.prefill_program_share(q, k, scale, lam, 64, max_blocks=None)
-        share = co.ProgramShare(q, k, scale, "prefill", 64)
+        direct = co.prefill_program_share(q, k, scale, lam, 64, max_blocks=None, window=True)
+        share = co.ProgramShare(q, k, scale, "prefill", 64)  # the recent window by default (contract version 4)
         assert share.share(lam) == pytest.approx(direct["program"]) and share.row(lam) == pytest.approx(direct["row"])
         # a GQA group's work item skips a tile only when both heads' rows drop it
         assert co.ProgramShare(q, k, scale, "prefill", 64, group_heads=True).share(lam) <= share.share(lam) + 1e-12
         dec = co.ProgramShare(q, k, scale, "decode")
-        want = co.decode_group_share(q[-1], k, scale, lam)
+        want = co.decode_group_share(q[-1], k, scale, lam, window=True)
         assert dec.share(lam) == pytest.approx(want["program"]) and dec.row(lam) == pytest.approx(want["row"])
     assert co.ProgramShare(q, k, scale, "prefill", 64).share(None) == 0.0
 
