@@ -8,7 +8,8 @@ When things happen:
    `sparse_attention_config` is validated from `model_config.hf_config` and what the engine config already says no
    layer can run sparse is refused (plugins/vllm/checks.py); a mistake stops start-up there, one line per reason.
    A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`, and the check of
-   per-request targets at admission through vLLM's `logits_processors` (plugins/vllm/admission.py).
+   per-request targets at admission through vLLM's `logits_processors` (plugins/vllm/admission.py). An engine that
+   may run sparse gets the aligned prefill scheduler through vLLM's `scheduler_cls` (plugins/vllm/aligned_scheduler.py).
 2. Each worker, before `load_model` loads weights: the same checks (engines created without EngineArgs).
 3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm/install.py) gives every covered
    layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
@@ -136,10 +137,21 @@ def _wrap_engine_config_check() -> None:
                 parallel.worker_extension_cls = worker_extension_cls(parallel.worker_extension_cls or None)
                 enable_admission_checks(config, settings)  # per-request targets: refused at admission if invalid
                 export_to_prometheus()  # realized sparsity on this server's /metrics (workers inherit the dir)
+            _align_prefill_chunks(config, settings)
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _align_prefill_chunks(config, settings) -> None:
+    """An engine that may run sparse or calibrate cuts prompts into calls only at multiples of 64 positions (block
+    decisions, plugins/vllm/aligned_scheduler.py): its `scheduler_cls`, set here, reaches the engine-core process
+    with the config, before that process builds its scheduler."""
+    from .aligned_scheduler import engine_may_run_sparse, install_aligned_scheduler
+
+    if engine_may_run_sparse(config, settings):
+        install_aligned_scheduler(config)
 
 
 def _worker_classes() -> list:
