@@ -5,9 +5,13 @@ test_skip_softmax_semantics.py: outputs within the stated tolerances of the floa
 what only a compiled kernel can get wrong: every dtype it compiles (fp32, bf16, fp16), vLLM's CPU cache layout
 read in place (K transposed per block and head) beside the other layouts, page sizes that do and do not take the
 in-place path, GQA group sizes that leave partial micro-kernel blocks, stale NaN/inf past kv_len in every layout,
-key splits of long decode rows, thread-count invariance (bitwise), the dispatch of `backend="auto"`, and attention
-sinks (version 3) on every path test_sinks.py does not reach: the bf16 engines, vLLM's `amx` layout, key splits.
-Thresholds are nudged away from decision boundaries (`safe_lambdas`), so counts must match exactly.
+key splits of long decode rows, thread-count invariance (bitwise), the dispatch of `backend="auto"`, attention
+sinks (version 3) on every path test_sinks.py does not reach (the bf16 engines, vLLM's `amx` layout, key splits),
+and version 4's decision units on every path: a prompt block's rows decided together in one work item (also when
+a call starts inside the block), decode rows inside multi-row calls deciding as single decode steps, calibration
+trials counting what serving drops. A row drops only tiles wholly before its 128 most recent keys, so cases reach
+positions >= 255. Thresholds are nudged away from decision boundaries (`safe_lambdas`), so counts must match
+exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from skip_attention_helpers import (
     LAYOUTS,
     backend_law,
+    default_prompt_lens,
     dense_attention_f64,
     gather_dense,
     log_lams_tensor,
@@ -70,6 +75,35 @@ def _needs_kernel(request):
 def close(out, expected, dtype):
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.to(torch.float64), expected, atol=atol, rtol=rtol)
+
+
+def unit_stats(case, prompt_lens=None, **kw) -> list[torch.Tensor]:
+    """Per sequence, the oracle's statistics of every droppable unit-tile (version 4) with these prompt lengths
+    (default: the API's, a one-row sequence being a decode step), `kw` the oracle's (softcap, sinks)."""
+    prompt_lens = default_prompt_lens(case) if prompt_lens is None else list(prompt_lens)
+    dense = torch.full((case.batch, 1, 2), -math.inf, dtype=torch.float64)
+    return oracle(case, None, law=(dense, torch.zeros(case.batch, 2), prompt_lens), **kw).tile_stats
+
+
+def quantile_log_lams(stats, quantile: float = 0.5) -> torch.Tensor:
+    """Per sequence a ln λ near `quantile` of its finite unit statistics (-0.5 where it has none), nudged off every
+    statistic of the sequence: [B, 1] float64."""
+    out = []
+    for st in stats:
+        finite = st[torch.isfinite(st)]
+        x = float(torch.quantile(finite, quantile)) + 1e-2 if finite.numel() else -0.5
+        out.append(safe_log_lambda(min(x, -1e-3), st))
+    return torch.tensor(out, dtype=torch.float64).unsqueeze(1)
+
+
+def plain_law(log_lams: torch.Tensor, prompt_lens) -> tuple[dict, tuple]:
+    """A plain λ per sequence (ln λ [B, 1], both phases, γ = 0) with explicit prompt lengths: the API's keyword
+    arguments and the oracle's `law`."""
+    batch = log_lams.shape[0]
+    log_sf = log_lams.to(torch.float32).expand(batch, 2).contiguous()
+    kw = dict(log_scale_factors=log_sf, length_exponents=torch.zeros(2),
+              prompt_lens=torch.tensor(list(prompt_lens), dtype=torch.int32))  # fmt: skip
+    return kw, (log_sf.double().unsqueeze(1), torch.zeros(batch, 2), list(prompt_lens))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,15 +173,6 @@ def test_dense_thresholds_and_counts_without_threshold():
     assert torch.equal(out, dense) and (counts[..., 1] == 0).all() and torch.equal(counts[..., 0], visited)
 
 
-def test_calibration_counts_equal_serving_counts():
-    case = mixed_case(seed=35, hq=4, hkv=2, layout="cpu_t")
-    lams = safe_lambdas(case, torch.tensor([1e-2, 0.05, 0.3]).expand(case.batch, -1).contiguous())
-    _, cal = run(case, "cpu", trials=lams)
-    for t in range(lams.shape[1]):
-        _, served = run(case, "cpu", skip_threshold=lams[:, t].contiguous(), counts=True)
-        assert torch.equal(served[:, 0], cal[:, t]), f"trial {t}"
-
-
 def test_batch_and_thread_invariance():
     """A sequence's rows are bitwise the same alone or batched, and with 1 or 2 threads."""
     case = mixed_case(seed=36, hq=3, hkv=1, page=32, layout="cpu_t")
@@ -198,12 +223,14 @@ def test_fp32_probabilities_to_fp32_precision():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_rows_restart_at_splits_with_the_anchor(dtype):
-    """Rows past 2048 keys: decode rows run as parallel key splits merged at the end, a longer chunk (several row
-    blocks) walks the splits in order; both restart the reference max at each split, seeded with tile 0."""
+    """Rows past 2048 keys: decode rows and short chunks (one item: a prompt block's rows) run as parallel key splits
+    merged at the end, their recent window in the last split; a chunk over two items walks the splits in order; all
+    restart the reference max at each split, seeded with tile 0."""
     kv = 2 * SPLIT_TOKENS + 300
-    case = make_case([1, 1, 3, 4], [kv, SPLIT_TOKENS + 1, kv, SPLIT_TOKENS + 42], hq=4, hkv=2, d=64, page=128,
-                     layout="cpu_t", dtype=dtype, seed=39)  # fmt: skip
-    # (the last sequence's rows 2086..2089 straddle a 24-row block boundary: two row blocks, walked in order)
+    case = make_case([1, 1, 3, 4, 11], [kv, SPLIT_TOKENS + 1, kv, SPLIT_TOKENS + 42, 2311], hq=4, hkv=2, d=64,
+                     page=128, layout="cpu_t", dtype=dtype, seed=39)  # fmt: skip
+    # (the last sequence's rows 2300..2310 straddle 2304, a boundary of the items' row blocks (128 rows at 2 heads per
+    # KV head, 256 on the packed path): two items, walked in order)
     lam = torch.tensor([quantile_lambda(case, b, 0.5) for b in range(case.batch)])
     out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
     ref = oracle(case, log_lams_tensor(lam, case.batch))
@@ -215,19 +242,28 @@ def test_long_rows_restart_at_splits_with_the_anchor(dtype):
 
 @pytest.mark.parametrize("others", [False, True], ids=["alone", "batched"])
 def test_rows_do_not_depend_on_chunking(others):
-    """A prompt whole or in chunks (one of them a single token), alone or batched: same rows, same counts."""
-    prompt = 300
+    """A prompt whole or cut into chunks at multiples of 64 (the last one a single token), alone or batched: same
+    rows, same counts; the generated row the same as a decode step and inside a longer chunk. A chunk that starts
+    inside a block (a cut the contract does not pin) decides over the block's rows it holds, as the oracle does."""
+    prompt = 449
     q_lens, kv_lens = ([prompt + 1, 1, 40], [prompt + 1, 120, 40]) if others else ([prompt + 1], [prompt + 1])
-    case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=16, layout="cpu_t", seed=40)
+    case = make_case(q_lens, kv_lens, hq=4, hkv=2, d=32, page=16, layout="cpu_t", seed=40, spread=2.0)
     prompts = [prompt, *(kv - 1 if ql == 1 else kv for ql, kv in zip(q_lens[1:], kv_lens[1:], strict=True))]
-    log_sf, gamma = [math.log(0.12 * prompt), math.log(0.1 * prompt)], [1.0, 1.0]
     whole = chunk_of(case, 0, prompt)
+    # ModelOpt's law (γ = 1): the prefill λ drops about a third of the prompt's droppable unit-tiles
+    log_lam = float(quantile_log_lams(unit_stats(whole, prompts)[:1], 0.3)[0, 0])
+    log_sf, gamma = [log_lam + math.log(prompt), math.log(0.1 * prompt)], [1.0, 1.0]
     out_whole, c_whole = run(whole, "cpu", counts=True, **law_kwargs(whole, log_sf, gamma, prompts))
     expected = law_oracle(whole, log_sf, gamma, prompts)
     assert torch.equal(c_whole, expected.counts) and c_whole[0, 0, 1] > 0
     assert_close64(out_whole, expected.out, torch.float32)
+    inside = chunk_of(case, 300, prompt)
+    o, c = run(inside, "cpu", counts=True, **law_kwargs(inside, log_sf, gamma, prompts))
+    expected = law_oracle(inside, log_sf, gamma, prompts)
+    assert torch.equal(c, expected.counts)
+    assert_close64(o, expected.out, torch.float32)
     total = torch.zeros_like(c_whole[0])
-    cuts = [0, 100, 101, 250, prompt]
+    cuts = [0, 64, 192, 320, 448, prompt]
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         part = chunk_of(case, a, b)
         o, c = run(part, "cpu", counts=True, **law_kwargs(part, log_sf, gamma, prompts))
@@ -237,9 +273,10 @@ def test_rows_do_not_depend_on_chunking(others):
     step = chunk_of(case, prompt, prompt + 1)
     o_step, c = run(step, "cpu", counts=True, **law_kwargs(step, log_sf, gamma, prompts))
     assert torch.equal(c, law_oracle(step, log_sf, gamma, prompts).counts)
-    tail = chunk_of(case, 250, prompt + 1)
+    tail = chunk_of(case, 256, prompt + 1)
     o_tail, _ = run(tail, "cpu", **law_kwargs(tail, log_sf, gamma, prompts))
-    torch.testing.assert_close(o_tail[prompt - 250 :], o_step, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(o_tail[prompt - 256 :], o_step, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(o_tail[: prompt - 256], out_whole[256:prompt], atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["cpu_t", "nhd", "hnd5"])
@@ -407,20 +444,21 @@ def test_packed_bf16_paths(packed_engine, bf16_engines, d, page, layout):
     exact counts and the float64 oracle's output at bf16 tolerance, dense and skipping, with stale NaN/inf past
     kv_len in the cache; the fp32 vector path gives the same counts and an output within the same tolerance. A
     head size of 80 is not a multiple of 32: AMX tiles leave it on the vector path, VDPBF16PS takes it."""
-    q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
-    case = make_case(q_lens, kv_lens, hq=6, hkv=2, d=d, page=page, layout=layout, dtype=torch.bfloat16, seed=47)
+    q_lens, kv_lens = [450, 1, 3, 1, 40], [450, 2100, 270, 33, 40]
+    case = make_case(q_lens, kv_lens, hq=6, hkv=2, d=d, page=page, layout=layout, dtype=torch.bfloat16, seed=47,
+                     spread=2.0)  # fmt: skip
     for b, kv in enumerate(kv_lens):
         if kv % page:
             last = int(case.block_table[b, math.ceil(kv / page) - 1])
             case.k_cache[last, kv % page :] = math.nan
             case.v_cache[last, kv % page :] = math.inf
-    lam = safe_lambdas(case, torch.tensor([0.05, 0.02, 0.1, 0.05, 0.3]))
+    lam = quantile_log_lams(unit_stats(case))[:, 0].exp().float()
     ref = oracle(case, log_lams_tensor(lam, case.batch))
     results = {}
     for engine in (packed_engine, "vector"):
         bf16_engines(engine)
         out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
-        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, engine
+        assert torch.equal(counts, ref.counts) and (counts[[0, 1, 2], 0, 1] > 0).all(), engine
         close(out, ref.out, torch.bfloat16)
         dense, _ = run(case, "cpu")
         close(dense, dense_attention_f64(case), torch.bfloat16)
@@ -431,18 +469,23 @@ def test_packed_bf16_paths(packed_engine, bf16_engines, d, page, layout):
 
 def test_packed_rows_do_not_depend_on_chunking_or_batch(packed_engine):
     """On packed pairs (AMX tiles or VDPBF16PS) a row's result does not depend on the other rows of its work item: a
-    prompt alone or batched, whole or in chunks, gives bitwise the same rows wherever the row's item runs packed in
-    both runs (an item of at least 16 (row, head) pairs: here every chunk of 8 rows or more). A one-row chunk runs
-    on the vector path: the same decisions (counts) and its row within bf16 rounding."""
-    case = make_case([300, 1, 40], [300, 120, 40], hq=4, hkv=2, d=64, page=16, layout="cpu_t", dtype=torch.bfloat16,
-                     seed=48)  # fmt: skip
-    lam = safe_lambdas(case, torch.tensor([0.05, 0.1, 0.2]))
-    out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
-    alone, c_alone = run(case.subset(0), "cpu", skip_threshold=lam[:1], counts=True)
-    assert torch.equal(alone, out[:300]) and torch.equal(c_alone[0], counts[0])
+    prompt alone or batched, whole or in chunks cut at multiples of 64, gives bitwise the same rows wherever the
+    row's item runs packed in both runs (an item of at least 16 (row, head) pairs: here every chunk of 8 rows or
+    more). A one-row chunk (the prompt's last row, its block's only one) runs on the vector path: the same
+    decisions (counts) and its row within bf16 rounding."""
+    prompt = 321
+    case = make_case([prompt, 1, 40], [prompt, 400, 40], hq=4, hkv=2, d=64, page=16, layout="cpu_t",
+                     dtype=torch.bfloat16, seed=48, spread=2.0)  # fmt: skip
+    prompts = [prompt, 399, 40]
+    law, _ = plain_law(quantile_log_lams(unit_stats(case, prompts)), prompts)
+    out, counts = run(case, "cpu", counts=True, **law)
+    assert (counts[:2, 0, 1] > 0).all()
+    alone_law = {**law, "log_scale_factors": law["log_scale_factors"][:1], "prompt_lens": law["prompt_lens"][:1]}
+    alone, c_alone = run(case.subset(0), "cpu", counts=True, **alone_law)
+    assert torch.equal(alone, out[:prompt]) and torch.equal(c_alone[0], counts[0])
     total = torch.zeros_like(counts[0])
-    for a, b in [(0, 100), (100, 101), (101, 300)]:
-        o, c = run(chunk_of(case.subset(0), a, b), "cpu", skip_threshold=lam[:1], counts=True)
+    for a, b in [(0, 64), (64, 320), (320, 321)]:
+        o, c = run(chunk_of(case.subset(0), a, b), "cpu", counts=True, **alone_law)
         if b - a >= 8:
             assert torch.equal(o[: b - a], out[a:b]), f"chunk {a}..{b}"
         else:
@@ -498,10 +541,9 @@ def test_bf16_softcap_on_every_engine(bf16_path):
     counts equal the float64 oracle's on the capped scores, outputs within bf16 tolerance, and the cap changes
     the decisions."""
     cap = 2.5
-    case = make_case([70, 1, 1, 3], [200, 2300, 90, 3], hq=4, hkv=2, d=32, page=16, dtype=torch.bfloat16, seed=51,
+    case = make_case([70, 1, 1, 3], [330, 2300, 90, 3], hq=4, hkv=2, d=32, page=16, dtype=torch.bfloat16, seed=51,
                      spread=2.0)  # fmt: skip
-    stats = oracle(case, None, softcap=cap).tile_stats
-    log_lams = torch.tensor([[safe_log_lambda(-0.7, stats[b])] for b in range(case.batch)], dtype=torch.float64)
+    log_lams = quantile_log_lams(unit_stats(case, softcap=cap))
     expected = oracle(case, log_lams, softcap=cap)
     out, counts = run(case, "cpu", skip_threshold=log_lams[:, 0].exp().float(), counts=True, logits_soft_cap=cap)
     assert torch.equal(counts, expected.counts) and counts[..., 1].sum() > 0
@@ -519,20 +561,136 @@ def test_prefill_blocks_at_every_tile_boundary(bf16_path):
     engine) in fp32. The last key of every tile carries a V 50x the others, so a score the causal mask should have
     hidden from a block's first row (a block taken as whole one key too early) moves that row's output far past the
     bf16 tolerance."""
-    offsets = [*range(28, 68), *range(92, 132)]
+    offsets = [*range(284, 324), *range(348, 388)]  # past position 255: rows drop tiles before their recent window
     q_lens, kv_lens = [48] * len(offsets), [o + 48 for o in offsets]
     dtypes = [torch.bfloat16] + ([torch.float32] if bf16_path == "vector" else [])
     for dtype in dtypes:
-        case = make_case(q_lens, kv_lens, hq=2, hkv=2, d=64, page=32, dtype=dtype, seed=52)
+        case = make_case(q_lens, kv_lens, hq=2, hkv=2, d=64, page=32, dtype=dtype, seed=52, spread=2.0)
         for b, kv in enumerate(kv_lens):
             for pos in range(63, kv, 64):
                 case.v_cache[case.block_table[b, pos // 32], pos % 32] *= 50
-        lam = safe_lambdas(case, torch.full((case.batch,), 0.05))
+        lam = quantile_log_lams(unit_stats(case))[:, 0].exp().float()
         ref = oracle(case, log_lams_tensor(lam, case.batch))
         out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
         assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0
         close(out, ref.out, dtype)
         close(run(case, "cpu")[0], dense_attention_f64(case), dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Version 4's decision units on every path: a prompt block's rows and a decode row's heads decide together.
+# ---------------------------------------------------------------------------------------------------------------
+def _use_path(bf16_engines, path: str):
+    """The dtype of a test path: "fp32" (the vector path), or bf16 on the engine named ("amx-tiles", "dot",
+    "vector"; skipped with the reason where this CPU lacks it)."""
+    if path == "fp32":
+        return torch.float32
+    bf16_engines(path.split("-")[0])
+    return torch.bfloat16
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2)], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("path", ["fp32", "amx-tiles", "dot"])
+def test_prompt_block_decides_together(bf16_engines, path, hq, hkv):
+    """The prompt rows of an aligned 64-position block of one head decide together (one work item holds the block):
+    counts equal the float64 oracle's and outputs its within tolerance; the same rows each in a call of its own
+    (each then its own unit) drop strictly more, each exactly as the oracle decides for that call."""
+    dtype = _use_path(bf16_engines, path)
+    prompt, first = 400, 255  # rows from 255 on hold tiles wholly before their recent window
+    case = make_case([prompt], [prompt], hq=hq, hkv=hkv, d=64, page=16, layout="cpu_t", dtype=dtype, seed=60,
+                     spread=2.0)  # fmt: skip
+    singles = [chunk_of(case, a, a + 1) for a in range(first, prompt)]
+    stats = torch.cat([*unit_stats(case, [prompt]), *(unit_stats(c, [prompt])[0] for c in singles)])
+    log_lam = safe_log_lambda(float(quantile_log_lams(unit_stats(case, [prompt]), 0.5)), stats)
+    law, oracle_law = plain_law(torch.tensor([[log_lam]], dtype=torch.float64), [prompt])
+    expected = oracle(case, None, law=oracle_law)
+    out, counts = run(case, "cpu", counts=True, **law)
+    assert torch.equal(counts, expected.counts) and counts[0, 0, 1] > 0
+    close(out, expected.out, dtype)
+    rows = torch.zeros(2, dtype=torch.int64)
+    for single in singles:
+        _, c = run(single, "cpu", counts=True, **law)
+        assert torch.equal(c, oracle(single, None, law=oracle_law).counts)
+        rows += c[0, 0]
+    _, blocks = run(chunk_of(case, first + 1, prompt), "cpu", counts=True, **law)  # 256: a block start
+    assert rows[1] > blocks[0, 0, 1], "a block drops a tile only where every one of its rows does"
+
+
+@pytest.mark.parametrize("path,layout", [("fp32", "cpu_t"), ("vector", "cpu_t"), ("dot", "cpu_t"),
+                                         ("amx-tiles", "cpu_t"), ("vector", "cpu_amx"), ("dot", "cpu_amx"),
+                                         ("amx-tiles", "cpu_amx")])  # fmt: skip
+def test_decode_rows_inside_multi_row_calls_decide_as_decode_steps(bf16_engines, path, layout):
+    """Decode rows (pos >= prompt_len) decide per GQA group wherever they run: speculative rows verified in one call,
+    and a call recomputing a prompt's last block with the generated rows after it (after preemption), give every
+    decode row the decisions (counts) and the output (to rounding of the path its item takes) of its own decode
+    step, and every prompt row those of the whole prompt; counts equal the float64 oracle's. On vLLM's `amx` layout
+    (decode steps on AMX tiles: decode_tiles) bitwise the results of the same K/V on the `vec` layout."""
+    dtype = _use_path(bf16_engines, path)
+    prompt, n_gen = 300, 6
+    kw = dict(hq=8, hkv=2, d=64, page=32, dtype=dtype, seed=61, spread=2.0)
+
+    def calls(case):
+        steps = [chunk_of(case, p, p + 1) for p in range(prompt, prompt + n_gen)]
+        spec, recompute, whole = (chunk_of(case, a, b) for a, b in ((prompt, prompt + n_gen), (256, prompt + n_gen),
+                                                                     (0, prompt)))  # fmt: skip
+        return steps, spec, recompute, whole
+
+    case = make_case([prompt + n_gen], [prompt + n_gen], layout=layout, **kw)
+    steps, spec, recompute, whole = calls(case)
+    stats = torch.cat([unit_stats(c, [prompt])[0] for c in [*steps, spec, recompute, whole]])
+    finite = stats[torch.isfinite(stats)]
+    log_lam = safe_log_lambda(float(torch.quantile(finite, 0.4)), stats)
+    law, oracle_law = plain_law(torch.tensor([[log_lam]], dtype=torch.float64), [prompt])
+    results = {}
+    for name, call in [*((f"step{i}", s) for i, s in enumerate(steps)), ("spec", spec), ("recompute", recompute),
+                       ("whole", whole)]:  # fmt: skip
+        out, counts = run(call, "cpu", counts=True, **law)
+        expected = oracle(call, None, law=oracle_law)
+        assert torch.equal(counts, expected.counts), name
+        close(out, expected.out, dtype)
+        results[name] = (out, counts)
+    step_out = torch.cat([results[f"step{i}"][0] for i in range(n_gen)])
+    step_counts = sum(results[f"step{i}"][1] for i in range(n_gen))
+    assert step_counts[0, 0, 1] > 0, "the decode steps must drop tiles"
+    atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else TOL[dtype]
+    assert torch.equal(results["spec"][1], step_counts)
+    torch.testing.assert_close(results["spec"][0], step_out, atol=atol, rtol=rtol)
+    recomputed = results["recompute"][0]
+    torch.testing.assert_close(recomputed[prompt - 256 :], step_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(recomputed[: prompt - 256], results["whole"][0][256:], atol=atol, rtol=rtol)
+    if layout == "cpu_amx":
+        vec = make_case([prompt + n_gen], [prompt + n_gen], layout="cpu_t", **kw)
+        steps, spec, recompute, whole = calls(vec)
+        for name, call in [*((f"step{i}", s) for i, s in enumerate(steps)), ("spec", spec),
+                           ("recompute", recompute), ("whole", whole)]:  # fmt: skip
+            out, counts = run(call, "cpu", counts=True, **law)
+            assert torch.equal(out, results[name][0]) and torch.equal(counts, results[name][1]), name
+
+
+@pytest.mark.parametrize("path", ["fp32", "amx-tiles", "dot", "vector"])
+def test_calibration_trials_count_what_serving_drops(bf16_engines, path):
+    """Calibration (T trials, dense output) counts for each trial exactly what serving at that trial drops, with a
+    λ per phase and explicit prompt lengths: a prompt chunk starting inside a block, speculative decode rows in one
+    call, a decode step, a call of prompt rows and decode rows (recompute), a decode row over three key splits;
+    both equal the float64 oracle's."""
+    dtype = _use_path(bf16_engines, path)
+    long = 2 * SPLIT_TOKENS + 300
+    q_lens, kv_lens, prompts = [200, 5, 1, 70, 1], [450, 305, 400, 340, long], [450, 300, 399, 320, long - 1]
+    case = make_case(q_lens, kv_lens, hq=6, hkv=2, d=64, page=32, layout="cpu_t", dtype=dtype, seed=62, spread=2.0)
+    stats = unit_stats(case, prompts)
+    # [B, T, 2]: the prefill and decode λ of a trial differ
+    log_sf = torch.stack(
+        [torch.cat([quantile_log_lams(stats, x), quantile_log_lams(stats, 1 - x)], dim=1) for x in (0.2, 0.5, 0.8)],
+        dim=1,
+    ).float()
+    law = dict(length_exponents=torch.zeros(2), prompt_lens=torch.tensor(prompts, dtype=torch.int32))
+    expected = oracle(case, None, calibrate=True, law=(log_sf.double(), torch.zeros(case.batch, 2), prompts))
+    out_cal, cal = run(case, "cpu", log_scale_factors=log_sf, **law)
+    assert torch.equal(cal, expected.counts) and (cal[:, 1:, 1] > 0).all()
+    assert torch.equal(out_cal, run(case, "cpu", **law, log_scale_factors=torch.full((case.batch, 2), -math.inf))[0])
+    for t in range(log_sf.shape[1]):
+        _, served = run(case, "cpu", counts=True, log_scale_factors=log_sf[:, t].contiguous(), **law)
+        assert torch.equal(served[:, 0], cal[:, t]), f"trial {t}"
 
 
 def _poison_amx_case(case, page):
@@ -557,28 +715,30 @@ def test_vllm_amx_cache_layout_read_in_place(bf16_path, d, page, hq, hkv):
     """vLLM's CPU `amx` layout (bf16 K/V stored as AMX B tiles; 6-D split views) read in place: counts equal the
     oracle's, outputs within bf16 tolerance of the float64 oracle, dense and skipping, with NaN/inf in every slot
     past kv_len and in unused pages; and bitwise the outputs of the same K/V in the `vec` layout ("cpu_t") on the
-    same path (the same fp32 operations in the same order). Prefill, short and split (> 2048 keys) decode rows; on
-    AMX tiles decode rows (3, 6 and 8 heads per KV head here) run on tiles of the group's rows (decode_tiles)."""
-    q_lens, kv_lens = [150, 1, 3, 1, 40], [150, 2100, 70, 33, 40]
-    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49)
+    same path (the same fp32 operations in the same order). Prefill blocks, short and split (> 2048 keys) decode
+    rows; on AMX tiles decode rows (3, 6 and 8 heads per KV head here) run on tiles of the group's rows
+    (decode_tiles)."""
+    q_lens, kv_lens = [450, 1, 3, 1, 40], [450, 2100, 270, 33, 40]
+    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=49, spread=2.0)
     case = make_case(q_lens, kv_lens, layout="cpu_amx", **kw)
     vec = make_case(q_lens, kv_lens, layout="cpu_t", **kw)
     assert case.k_cache.dim() == 6 and torch.equal(case.q, vec.q)
     _poison_amx_case(case, page)
-    lam = safe_lambdas(vec, torch.tensor([0.05, 0.02, 0.1, 0.05, 0.3]))
+    stats = unit_stats(vec)
+    lam = quantile_log_lams(stats)[:, 0].exp().float()
     ref = oracle(vec, log_lams_tensor(lam, case.batch))
     out, counts = run(case, "cpu", skip_threshold=lam, counts=True)
-    assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0
+    assert torch.equal(counts, ref.counts) and (counts[[0, 1, 2], 0, 1] > 0).all()
     close(out, ref.out, torch.bfloat16)
     out_vec, counts_vec = run(vec, "cpu", skip_threshold=lam, counts=True)
     assert torch.equal(out, out_vec) and torch.equal(counts, counts_vec)
     dense, _ = run(case, "cpu")
     close(dense, dense_attention_f64(vec), torch.bfloat16)
     assert torch.equal(dense, run(vec, "cpu")[0])
-    trials = safe_lambdas(vec, torch.tensor([1e-3, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    trials = torch.cat([quantile_log_lams(stats, x) for x in (0.1, 0.5, 0.9)], dim=1).exp().float()
     out_cal, cal = run(case, "cpu", trials=trials)
     assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
-    assert torch.equal(out_cal, dense)
+    assert torch.equal(out_cal, dense) and torch.equal(cal, run(vec, "cpu", trials=trials)[1])
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (5, 1, 32), (15, 1, 128)], ids=["gqa3-d64", "gqa5-d32",
@@ -592,24 +752,25 @@ def test_amx_layout_decode_on_tiles_of_the_group(bf16_engines, hq, hkv, d):
     each row rescale its output between two P·V steps (the exp of a tile runs after P·V of the one before)."""
     bf16_engines("amx")
     page = 32
-    q_lens, kv_lens = [1, 1, 1, 2, 3, 1], [2100, 33, 64, 130, 70, 97]
-    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=53)
+    q_lens, kv_lens = [1, 1, 1, 2, 3, 1], [2100, 33, 64, 330, 270, 297]
+    kw = dict(hq=hq, hkv=hkv, d=d, page=page, dtype=torch.bfloat16, seed=53, spread=2.0)
     case, vec = make_case(q_lens, kv_lens, layout="cpu_amx", **kw), make_case(q_lens, kv_lens, layout="cpu_t", **kw)
     _poison_amx_case(case, page)
     for cap in (0.0, 2.5):
-        stats = oracle(vec, None, softcap=cap).tile_stats
-        log_lams = torch.tensor([[safe_log_lambda(-0.7, stats[b])] for b in range(case.batch)], dtype=torch.float64)
+        log_lams = quantile_log_lams(unit_stats(vec, softcap=cap))
         lam = log_lams[:, 0].exp().float()
         ref = oracle(vec, log_lams, softcap=cap)
         out, counts = run(case, "cpu", skip_threshold=lam, counts=True, logits_soft_cap=cap)
-        assert torch.equal(counts, ref.counts) and counts[..., 1].sum() > 0, cap
+        assert torch.equal(counts, ref.counts) and counts[0, 0, 1] > 0, cap
+        assert cap or counts[1:, 0, 1].sum() > 0, "uncapped, the short calls drop tiles too"
         close(out, ref.out, torch.bfloat16)
         out_vec, counts_vec = run(vec, "cpu", skip_threshold=lam, counts=True, logits_soft_cap=cap)
         assert torch.equal(out, out_vec) and torch.equal(counts, counts_vec), cap
         dense, _ = run(case, "cpu", logits_soft_cap=cap)
         close(dense, oracle(vec, None, softcap=cap).out, torch.bfloat16)
         assert torch.equal(dense, run(vec, "cpu", logits_soft_cap=cap)[0])
-    trials = safe_lambdas(vec, torch.tensor([1e-3, 0.05, 0.3]).expand(case.batch, -1).contiguous())
+    stats = unit_stats(vec)
+    trials = torch.cat([quantile_log_lams(stats, x) for x in (0.1, 0.5, 0.9)], dim=1).exp().float()
     out_cal, cal = run(case, "cpu", trials=trials)
     assert torch.equal(cal, oracle(vec, log_lams_tensor(trials, case.batch), calibrate=True).counts)
     assert torch.equal(out_cal, run(case, "cpu")[0])
@@ -747,14 +908,15 @@ def test_sinks_on_the_vllm_amx_layout(bf16_path, hq, hkv, d, page):
 
 
 def test_sinks_with_climbing_scores_rescale_past_the_sink(bf16_path):
-    """Scores that climb about 64 per tile (to about 200) with sinks from far below to far above them: rows start
+    """Scores that climb about 64 per tile (to about 255) with sinks from far below to far above them: rows start
     their online softmax at the sink and raise it (on the packed paths only past sink + 8, the lazy rescale), or
     never reach it (a sink above every score: the output is nearly zero). Finite outputs within bf16 tolerance of
-    the float64 oracle, on the `amx` layout (decode_tiles on AMX tiles) and on the `vec` layout (prefill too)."""
+    the float64 oracle, on the `amx` layout (decode_tiles on AMX tiles) and on the `vec` layout (prefill too). The
+    decode rows at 255 drop tile 1 where their whole group's sinks sit above it."""
     hq, hkv, page = 6, 2, 32
     sinks = torch.tensor([-30.0, 5.0, 70.0, 140.0, 190.0, 260.0])
     kw = dict(hq=hq, hkv=hkv, d=64, page=page, dtype=torch.bfloat16, seed=57)
-    for layout, q_lens, kv_lens in (("cpu_amx", [1, 2, 1], [200, 130, 70]), ("cpu_t", [200, 1, 70], [200, 150, 70])):
+    for layout, q_lens, kv_lens in (("cpu_amx", [1, 2, 1], [256, 130, 70]), ("cpu_t", [256, 1, 70], [256, 256, 70])):
         case = make_case(q_lens, kv_lens, layout=layout, **kw)
         _climb_keys(case, page)
         dense, _ = run(case, "cpu", sinks=sinks)

@@ -59,12 +59,12 @@ inline void Kernel<T>::pv_block_amx(Scratch& sc, const uint16_t* pp, float* cons
 // Decode reads each byte once, so what it waits for is memory: the V steps a tile's kept rows read are queued for
 // prefetch into L1 right after its decisions (two iterations before its P·V; a tile every row drops is never
 // read), the K of tile t + 3 after them, and the queue is issued 16 lines at a time, spread over the iteration
-// (after every other tile instruction, about three times in each of the decision and exp loops), so misses stay
+// (after every other tile instruction, about three times around the decisions and in the exp loop), so misses stay
 // in flight while the core computes: issued in bursts (16 lines per tile instruction, none elsewhere) bf16 decode
 // at batch 8 ran 3-8 % slower on the Xeon with AMX; V prefetched for every tile, kept or not, 16-32 % slower at
 // s ~ 0.7 (docs/benchmarks.md). The masks, decisions and exp are the pipelined path's own functions
-// (finish_scores, decide, online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's P·V
-// adds the same products in the same order whichever rows share its tiles).
+// (finish_scores, decide_tile, online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's
+// P·V adds the same products in the same order whichever rows share its tiles).
 template <typename T>
 inline void Kernel<T>::decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
   const Params& p = p_;
@@ -112,15 +112,14 @@ inline void Kernel<T>::decode_tiles(const Item& it, Scratch& sc, int M, int t_be
         if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.begin() + M, kNegInf);
         finish_scores(it, sc, t, m_lo, M, sbase + static_cast<size_t>(m_lo) * kTileK);
         float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
-        for (int m = m_lo; m < M; ++m) {
-          const float g = sc.g[m];
-          if (m % row_pace == 0) pf.issue16();
-          if (!decide(sc, t, m, g)) continue;
-          kept[slot] |= 1u << m;
-          kept_g[m] = g;
-          const int64_t visible =
-              std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart));
-          j_end[slot] = std::max(j_end[slot], static_cast<int>(visible));
+        int kept_m[16];
+        float kept_gc[16];
+        pf.issue16();
+        const int n_kept = decide_tile(sc, t, m_lo, M, kstart, kv_len, kept_m, kept_gc, j_end[slot]);
+        for (int m = m_lo + row_pace; m < M; m += row_pace) pf.issue16();  // as many as one per row_pace rows
+        for (int i = 0; i < n_kept; ++i) {
+          kept[slot] |= 1u << kept_m[i];
+          kept_g[kept_m[i]] = kept_gc[i];
         }
       }
       for (int ks = 0; ks < 2 && 32 * ks < j_end[slot]; ++ks) {

@@ -44,6 +44,8 @@ namespace {
 constexpr int kTileK = 64;        // semantics.TILE_K
 constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
 constexpr int kSplitTiles = kSplitTokens / kTileK;
+constexpr int kDecisionRows = 64;   // semantics.DECISION_BLOCK_ROWS: prompt rows decide per aligned block of this many
+constexpr int kRecentWindow = 128;  // semantics.RECENT_WINDOW: a row never drops a tile of its most recent keys
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr float kLazyRescale = 8.f;       // packed bf16 path: raise a row's softmax max only past max + this
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)
@@ -368,8 +370,9 @@ using lines = std::vector<E, LineAligned<E>>;
 
 struct Scratch {
   // l: each row's softmax denominator as kLanes partial sums (summed once per item, not once per tile);
-  // g: each row's max over the current tile (scores()); sink: each row's head sink (only with sinks).
-  lines<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g, sink;
+  // g: each row's max over the current tile (scores()); sink: each row's head sink (only with sinks); lnl: ln λ
+  // [trial][M]; e: each row's gap of the current tile, then its unit's statistic (decide_tile).
+  lines<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g, sink, e;
   std::vector<int32_t> pos, kept_m;
   lines<unsigned char> kbuf, vbuf;
   std::vector<const void*> vrow;
@@ -382,6 +385,7 @@ struct Scratch {
   bool packed;    // this item runs on packed bf16 pairs (AMX tiles or VDPBF16PS: Params::tiles)
   int slot_rows;  // rows per score slot: on tiles M + 16, so a 16-row tile starting at any row stays in its slot
   int n_kept[2], j_end[2];
+  int r_decode;  // the item's first decode row (pos >= prompt_len; rows before it are prompt rows), or its row count
   int k_tile[2];  // AMX: the tile whose K each kpack buffer holds (-1: none)
   // `amx` cache layout: per buffer / slot, the tile's four 16-key K groups and its two 32-key V steps (in the
   // cache, or zeros / a packed copy where keys past kv_len would be read); dim tile stride of each V step.

@@ -64,6 +64,8 @@ class Kernel {
     sc.srun.assign(M, kNegInf);
     sc.pos.resize(M);
     sc.lnl.assign(static_cast<size_t>(M) * std::max(n_trials, 1), kNegInf);
+    sc.e.resize(M);
+    sc.r_decode = static_cast<int>(std::clamp<int64_t>(p.plen[b] - (offset + it.r0), 0, n_rows));
     sc.skipped.assign(std::max(n_trials, 1), 0);
     sc.prow.resize(M);
     sc.orow.resize(M);
@@ -87,7 +89,7 @@ class Kernel {
         }
         sc.pos[m] = pos;
       }
-      if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group * n_trials, group);
+      if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group, group, M);
     }
     if (p.sinks != nullptr) seed_sinks(it, sc, M);
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -207,7 +209,7 @@ class Kernel {
  private:
   const Params& p_;
 
-  // Attention sinks (docs/skip_softmax.md "The softmax with a sink"): row m's head sink, for the anchor (decide,
+  // Attention sinks (docs/skip_softmax.md "The softmax with a sink"): row m's head sink, for the anchor (decide_tile,
   // the split anchor); the item holding tile 0 seeds the online softmax with m = sink, l = 1 (one partial-sum lane),
   // so the sink joins the denominator once and the output never. Probabilities stay <= e^kLazyRescale on the packed
   // path: a tile raises the max past the sink exactly as past an earlier tile. Later splits start from -inf, 0.
@@ -223,72 +225,167 @@ class Kernel {
     }
   }
 
-  // Row m's decision for tile t (docs/skip_softmax.md): tile 0 seeds the reference max; later tiles compare the
-  // tile max g with it, count every trial's drop and keep the tile unless trial 0 drops it (calibration keeps all).
-  __attribute__((always_inline)) bool decide(Scratch& sc, int t, int m, float g) const {
+  // The decisions of tile t (docs/skip_softmax.md "The skip test", version 4) for the rows m_lo..M-1 that visit it,
+  // their tile maxima in sc.g: a unit — the prompt rows of one aligned block of kDecisionRows positions of one head,
+  // or the heads of one decode row's GQA group — drops the tile iff the largest effective gap of its members is
+  // below their (shared) ln λ. An item holds whole units: its rows start at the call's first row or at a multiple of
+  // kDecisionRows (run), and it holds every head of its KV head. Writes the kept rows (m, g) in row order to kept_m /
+  // kept_g and returns their number, raises j_end to the V rows they read, and counts every trial's dropped
+  // row-tiles (calibration keeps every row, serving drops trial 0's). Every path (fp32 vectors, the packed pairs,
+  // decode_tiles) decides here, so their decisions and counts agree up to the rounding of the scores.
+  int decide_tile(Scratch& sc, int t, int m_lo, int M, int64_t kstart, int64_t kv_len, int* kept_m, float* kept_g,
+                  int& j_end) const {
     const Params& p = p_;
-    if (t == 0) {
-      sc.g0[m] = p.sinks != nullptr ? std::max(g, sc.sink[m]) : g;  // the anchor holds the head's sink too
-      sc.srun[m] = g;
-      return true;
+    const float* g = sc.g.data();
+    int m_u = M;  // rows m_u..M-1 form the units that may drop the tile; rows m_lo..m_u-1 keep it
+    if (t == 0) {  // the anchor seeds the reference max (with the head's sink) and is never dropped
+      for (int m = m_lo; m < M; ++m) {
+        sc.g0[m] = p.sinks != nullptr ? std::max(g[m], sc.sink[m]) : g[m];
+        sc.srun[m] = g[m];
+      }
+    } else if (p.log_sf != nullptr) {
+      m_u = unit_statistics(sc, m_lo, M, kstart);
     }
-    const float ref = std::max(sc.g0[m], sc.srun[m]);
-    const float gap = g - ref;
-    sc.srun[m] = std::max(sc.srun[m], g);
-    if (p.log_sf == nullptr) return true;
-    const int n_trials = static_cast<int>(p.T);
-    const float* lnl = sc.lnl.data() + static_cast<size_t>(m) * n_trials;
-    for (int tr = 0; tr < n_trials; ++tr) sc.skipped[tr] += gap < lnl[tr] ? 1 : 0;
-    return p.calibrate || !(gap < lnl[0]);
+    const int n_all = m_u - m_lo;
+    for (int i = 0; i < n_all; ++i) kept_m[i] = m_lo + i;
+    std::memcpy(kept_g, g + m_lo, sizeof(float) * std::max(n_all, 0));
+    const int n_kept = std::max(n_all, 0) + (m_u < M ? compare_units(sc, m_u, M, kept_m + n_all, kept_g + n_all) : 0);
+    if (n_kept > 0) {  // rows are sorted by position: the last kept row reads the most V rows
+      const int64_t visible = std::min<int64_t>(sc.pos[kept_m[n_kept - 1]] - kstart + 1,
+                                                std::min<int64_t>(kTileK, kv_len - kstart));
+      j_end = std::max(j_end, static_cast<int>(visible));
+    }
+    return n_kept;
   }
 
+  // For a tile t > 0 (first key kstart) and the rows m_lo..M-1 that visit it: each row's gap (its tile max less its
+  // reference max, the running max of the split seeded with the anchor) into sc.e, its running max raised; then,
+  // for the rows of units that may drop the tile (every member holds it wholly before its recent window, pos >=
+  // kstart + 64 + W - 1, so visits it), each unit's statistic (the largest gap of its members) into sc.e of every
+  // member. Returns the first of those rows (M: none). Rows of the item are sorted by position, heads innermost.
+  int unit_statistics(Scratch& sc, int m_lo, int M, int64_t kstart) const {
+    const int group = static_cast<int>(p_.group);
+    float* e = sc.e.data();
+    float* srun = sc.srun.data();
+    const float* g = sc.g.data();
+    const float* g0 = sc.g0.data();
+    int m = m_lo;
 #if defined(__AVX512F__)
-  // decide() for rows m_lo..M-1 of a tile t > 0 with at most one trial (serving, or dense without counts), 16 rows
-  // per step instead of one (the scalar loop was about a seventh of a bf16 prefill on AMX tiles; decode's GQA group
-  // of a few rows stays on the scalar loop): the same float operations, with the max operands in the order that
-  // makes NaN and signed zeros pick what std::max picks, and the kept rows compressed in row order. Returns their
-  // number and raises j_end to what they read.
-  int decide_rows16(Scratch& sc, int m_lo, int M, int64_t kstart, int64_t kv_len, int* kept_m, float* kept_g,
-                    int& j_end) const {
-    const bool counting = p_.log_sf != nullptr;
-    const bool keep_all = !counting || p_.calibrate;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(kTileK, kv_len - kstart)));
-    const __m512i shift = _mm512_set1_epi32(static_cast<int32_t>(1 - kstart));  // visible = pos - kstart + 1
-    __m512i reach = _mm512_setzero_si512();
-    int n_kept = 0;
-    int64_t dropped = 0;
-    for (int m = m_lo; m < M; m += 16) {
+    for (; m < M; m += 16) {
       const __mmask16 in = M - m >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (M - m)) - 1);
-      const __m512 g = _mm512_maskz_loadu_ps(in, sc.g.data() + m);
-      const __m512 srun = _mm512_maskz_loadu_ps(in, sc.srun.data() + m);
+      const __m512 gv = _mm512_maskz_loadu_ps(in, g + m);
+      const __m512 sv = _mm512_maskz_loadu_ps(in, srun + m);
       // ref = max(g0, srun) and srun = max(srun, g) as std::max: MAXPS returns its second operand unless the first
       // is greater
-      const __m512 gap = _mm512_sub_ps(g, _mm512_max_ps(srun, _mm512_maskz_loadu_ps(in, sc.g0.data() + m)));
-      _mm512_mask_storeu_ps(sc.srun.data() + m, in, _mm512_max_ps(g, srun));
-      __mmask16 keep = in;
-      if (counting) {
-        const __mmask16 drop =
-            _mm512_mask_cmp_ps_mask(in, gap, _mm512_maskz_loadu_ps(in, sc.lnl.data() + m), _CMP_LT_OQ);
-        dropped += __builtin_popcount(drop);
-        if (!keep_all) keep = static_cast<__mmask16>(in & ~drop);
+      _mm512_mask_storeu_ps(e + m, in, _mm512_sub_ps(gv, _mm512_max_ps(sv, _mm512_maskz_loadu_ps(in, g0 + m))));
+      _mm512_mask_storeu_ps(srun + m, in, _mm512_max_ps(gv, sv));
+    }
+#endif
+    for (; m < M; ++m) {
+      e[m] = g[m] - std::max(g0[m], srun[m]);
+      srun[m] = std::max(srun[m], g[m]);
+    }
+    const int n_rows = M / group;
+    const int64_t pos0 = sc.pos[0];
+    // Rows r >= r0 hold the tile wholly before their recent window: 64 t + 63 < pos - W + 1.
+    int r = static_cast<int>(std::clamp<int64_t>(kstart + kTileK + kRecentWindow - 1 - pos0, 0, n_rows));
+    const int r_dec = sc.r_decode;
+    if (r > 0 && r < r_dec && (pos0 + r) % kDecisionRows != 0) {  // a prompt block whose earlier rows keep the tile
+      r = static_cast<int>(std::min<int64_t>(r + kDecisionRows - (pos0 + r) % kDecisionRows, r_dec));
+    }
+    if (r >= n_rows) return M;
+    const int m_u = r * group;
+    while (r < r_dec) {  // prompt blocks (each starts at r): per head, the largest gap of the block's prompt rows
+      const int r_end = static_cast<int>(std::min<int64_t>(r + kDecisionRows - (pos0 + r) % kDecisionRows, r_dec));
+      block_max(e + static_cast<size_t>(r) * group, r_end - r, group);
+      r = r_end;
+    }
+    if (group > 1) {
+      for (; r < n_rows; ++r) {  // decode rows: the largest gap of the row's heads
+        float* x = e + static_cast<size_t>(r) * group;
+        float u = x[0];
+        for (int hh = 1; hh < group; ++hh) u = std::max(u, x[hh]);
+        for (int hh = 0; hh < group; ++hh) x[hh] = u;
       }
+    }
+    return m_u;
+  }
+
+  // x[r * group + hh] for r < rows replaced by its head's largest value over the rows (maxima are exact: any order).
+  static void block_max(float* x, int rows, int group) {
+#if defined(__AVX512F__)
+    if (16 % group == 0) {
+      const int n = rows * group;  // lane l holds head l % group in every 16-element step
+      __m512 acc = _mm512_set1_ps(kNegInf);
+      for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+        acc = _mm512_mask_max_ps(acc, in, acc, _mm512_maskz_loadu_ps(in, x + i));
+      }
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int w = 8; w >= group; w /= 2) {  // fold lanes of the same head
+        acc = _mm512_max_ps(acc, _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(w)), acc));
+      }
+      for (int i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(x + i, in, acc);
+      }
+      return;
+    }
+#endif
+    for (int hh = 0; hh < group; ++hh) {
+      float u = x[hh];
+      for (int r = 1; r < rows; ++r) u = std::max(u, x[static_cast<size_t>(r) * group + hh]);
+      for (int r = 0; r < rows; ++r) x[static_cast<size_t>(r) * group + hh] = u;
+    }
+  }
+
+  // Rows m_u..M-1 (whole units, their statistics in sc.e): count each trial's drops (unit statistic < the row's
+  // ln λ), and write the rows serving keeps (calibration: all) compressed in row order. Returns their number.
+  int compare_units(Scratch& sc, int m_u, int M, int* kept_m, float* kept_g) const {
+    const int n_trials = static_cast<int>(p_.T);
+    const bool keep_all = p_.calibrate;
+    const float* e = sc.e.data();
+    const float* lnl = sc.lnl.data();
+    const float* g = sc.g.data();
+    int n_kept = 0;
+#if defined(__AVX512F__)
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int m = m_u; m < M; m += 16) {
+      const __mmask16 in = M - m >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (M - m)) - 1);
+      const __m512 u = _mm512_maskz_loadu_ps(in, e + m);
+      __mmask16 drop0 = 0;
+      for (int tr = 0; tr < n_trials; ++tr) {
+        const __mmask16 drop = _mm512_mask_cmp_ps_mask(
+            in, u, _mm512_maskz_loadu_ps(in, lnl + static_cast<size_t>(tr) * M + m), _CMP_LT_OQ);
+        sc.skipped[tr] += __builtin_popcount(drop);
+        if (tr == 0) drop0 = drop;
+      }
+      const __mmask16 keep = keep_all ? in : static_cast<__mmask16>(in & ~drop0);
       // Compressed in registers, then a masked store of the first popcount lanes: the compressing store to memory
       // is microcoded on Zen 4 (its two took about a sixth of the kernel's time outside Q·K and P·V, fp32 prefill).
       const __mmask16 first = static_cast<__mmask16>((1u << __builtin_popcount(keep)) - 1);
       _mm512_mask_storeu_epi32(kept_m + n_kept, first,
                                _mm512_maskz_compress_epi32(keep, _mm512_add_epi32(_mm512_set1_epi32(m), lane)));
-      _mm512_mask_storeu_ps(kept_g + n_kept, first, _mm512_maskz_compress_ps(keep, g));
-      const __m512i pos = _mm512_maskz_loadu_epi32(in, sc.pos.data() + m);
-      const __m512i visible = _mm512_min_epi32(_mm512_add_epi32(pos, shift), lim);
-      reach = _mm512_mask_max_epi32(reach, keep, reach, visible);
+      _mm512_mask_storeu_ps(kept_g + n_kept, first, _mm512_maskz_compress_ps(keep, _mm512_maskz_loadu_ps(in, g + m)));
       n_kept += __builtin_popcount(keep);
     }
-    if (counting) sc.skipped[0] += dropped;
-    j_end = std::max(j_end, _mm512_reduce_max_epi32(reach));
+#else
+    for (int m = m_u; m < M; ++m) {
+      bool drop0 = false;
+      for (int tr = 0; tr < n_trials; ++tr) {
+        const bool drop = e[m] < lnl[static_cast<size_t>(tr) * M + m];
+        sc.skipped[tr] += drop ? 1 : 0;
+        if (tr == 0) drop0 = drop;
+      }
+      if (keep_all || !drop0) {
+        kept_m[n_kept] = m;
+        kept_g[n_kept] = g[m];
+        ++n_kept;
+      }
+    }
+#endif
     return n_kept;
   }
-#endif
 
   // Stage A of tile t: scores of the rows that visit it, each row's decision, counts, the kept rows (slot).
   void stage_scores(const Item& it, Scratch& sc, int t, int slot, int M, int first_pos, int npf) const {
@@ -300,25 +397,11 @@ class Kernel {
     if (m_lo >= M) return;
     float* sbase = sc.s.data() + static_cast<size_t>(slot) * sc.slot_rows * kTileK;
     scores(it, sc, t, m_lo, M, sbase, npf);
-    int n_kept = 0;
     int j_end = 0;  // V rows 0..j_end-1 of the tile are needed by some kept row
     int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
     float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
     if (t % kSplitTiles == 0 && t > 0) std::fill(sc.srun.begin() + m_lo, sc.srun.end(), kNegInf);
-#if defined(__AVX512F__)
-    if (t > 0 && M - m_lo >= 16 && (p_.log_sf == nullptr || p_.T == 1)) {  // decode's few rows: scalar
-      n_kept = decide_rows16(sc, m_lo, M, kstart, kv_len, kept_m, kept_g, j_end);
-    } else
-#endif
-    for (int m = m_lo; m < M; ++m) {
-      const float g = sc.g[m];
-      if (!decide(sc, t, m, g)) continue;
-      const int64_t visible = std::min<int64_t>(sc.pos[m] - kstart + 1, std::min<int64_t>(kTileK, kv_len - kstart));
-      j_end = std::max(j_end, static_cast<int>(visible));
-      kept_m[n_kept] = m;
-      kept_g[n_kept] = g;
-      ++n_kept;
-    }
+    const int n_kept = decide_tile(sc, t, m_lo, M, kstart, kv_len, kept_m, kept_g, j_end);
     sc.n_kept[slot] = n_kept;
     sc.j_end[slot] = j_end;
     if (n_kept == 0) return;  // a tile every row drops: its V is never read
@@ -437,8 +520,9 @@ class Kernel {
     return n;
   }
 
-  // ln λ of a row for every trial, copied for its `group` heads: docs/skip_softmax.md "λ of a row".
-  void row_log_lambdas(int b, int32_t pos, float* dst, int group) const {
+  // ln λ of a row for every trial, copied for its `group` heads (trial tr at dst[tr * stride]): docs/skip_softmax.md
+  // "λ of a row".
+  void row_log_lambdas(int b, int32_t pos, float* dst, int group, int stride) const {
     const Params& p = p_;
     const int n_trials = static_cast<int>(p.T);
     const int64_t prompt = p.plen[b];
@@ -450,7 +534,7 @@ class Kernel {
       const double c = p.log_sf[(static_cast<int64_t>(b) * n_trials + tr) * 2 + phase];
       const float x = static_cast<float>(c - static_cast<double>(p.gamma[b * 2 + phase]) * ln_n);
       const float lnl = x < 0.f ? x : kNegInf;  // NaN and λ >= 1: no drop
-      for (int hh = 0; hh < group; ++hh) dst[hh * n_trials + tr] = lnl;
+      for (int hh = 0; hh < group; ++hh) dst[static_cast<size_t>(tr) * stride + hh] = lnl;
     }
   }
 
@@ -789,7 +873,7 @@ class Kernel {
   // On the packed bf16 path the max is raised only when the tile's exceeds it by more than kLazyRescale: the
   // probabilities then reach up to e^kLazyRescale (bf16 and fp32 hold them with the same relative precision), and
   // most rows stop rescaling their state after their first tiles (each rescale writes the output row that P·V's C
-  // tiles load next). Skip decisions use their own running max (decide), so they do not change. The packed path
+  // tiles load next). Skip decisions use their own running max (decide_tile), so they do not change. The packed path
   // takes the exp as 2^(s · scale · log2 e − max · log2 e): one FMA and exp2_coarse.
   template <typename P>
   void online_softmax_row(Scratch& sc, int m, const float* s, float g, int D, P* dst) const {

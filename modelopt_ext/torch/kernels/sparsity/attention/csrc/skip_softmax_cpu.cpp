@@ -1,11 +1,15 @@
-// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 3).
+// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 4).
 //
 // One work item is (sequence, KV head, block of query rows[, key split]). Its rows are the (query row, query head)
-// pairs of the block that share the KV head (GQA), m = r * group + h. For each key tile of 64 keys (aligned to
-// absolute positions) the item computes the scores of every row that visits the tile, takes each row's tile max,
-// decides per row against the reference max (running max within the tile's 2048-key split, seeded with the row's
-// tile 0), and runs the online softmax and P·V only for the rows that keep the tile: a dropped row-tile costs no
-// exp and no P·V, and a tile every row drops costs no V load at all.
+// pairs of the block that share the KV head (GQA), m = r * group + h; its row blocks are aligned to absolute
+// positions in whole decision blocks of 64, so an item holds whole decision units: the prompt rows of an aligned
+// 64-position block of one head, and the heads of a decode row's GQA group. For each key tile of 64 keys (aligned to
+// absolute positions) the item computes the scores of every row that visits the tile, takes each row's tile max and
+// its gap to the reference max (running max within the tile's 2048-key split, seeded with the row's tile 0), decides
+// per unit (the largest effective gap of its members, +inf for a member whose recent window holds the tile, against
+// their ln λ: Kernel::decide_tile), and runs the online softmax and P·V only for the rows whose unit keeps the tile:
+// a dropped row-tile costs no exp and no P·V, and a tile every unit of the item drops (a decode row's group) costs
+// no V load at all.
 //
 // The cache is read in place through the block table with any strides. The fast path reads K as stored by vLLM's
 // CPU backend (keys contiguous per dimension: last-dim stride = page) and V rows (last-dim stride 1); other layouts
@@ -58,8 +62,10 @@ template <typename T>
 void run(const Params& p) {
   Kernel<T> kernel(p);
   const int64_t group = p.group;
-  const int target_rows = p.packed ? kPackedTargetRows : kTargetRows;
-  const int rows_per_item = static_cast<int>(std::max<int64_t>(1, target_rows / group));
+  // Rows per item: about the target's (row, head) pairs, in whole decision blocks (version 4: a prompt block's rows
+  // decide together, so they are held by one item; its heads are the item's KV head's whole GQA group).
+  const int64_t target_rows = (p.packed ? kPackedTargetRows : kTargetRows) / group;
+  const int64_t rows_per_item = std::max<int64_t>(1, (target_rows + kDecisionRows / 2) / kDecisionRows) * kDecisionRows;
   std::vector<Item> items;
   struct Merge {
     int32_t b, kvh, r0, r1, n_splits;
@@ -72,7 +78,9 @@ void run(const Params& p) {
     if (q_len <= 0) continue;
     const int64_t kv_len = p.kvlen[b];
     const int64_t offset = kv_len - q_len;
-    // Row blocks aligned to absolute positions, so a row's blocking does not depend on chunking.
+    // Row blocks aligned to absolute positions (multiples of rows_per_item, itself a multiple of kDecisionRows), so a
+    // row's blocking does not depend on chunking and no decision block is cut in two; a call that starts inside a
+    // block gets a shorter first item.
     std::vector<std::pair<int32_t, int32_t>> blocks;
     for (int64_t pos = offset; pos < kv_len;) {
       const int64_t stop = std::min<int64_t>(kv_len, (pos / rows_per_item + 1) * rows_per_item);
