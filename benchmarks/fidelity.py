@@ -377,9 +377,12 @@ def report(result: dict, targets, sources, lengths, quality_length) -> None:
         if result.get("quality"):
             q = result["quality"][law]
             print(f"\nquality at {quality_length} tokens (dense ppl {q['dense_ppl']:.4f}):")
-            print("| target | ppl | Δppl | next-token agree | greedy agree |\n|---|---|---|---|---|")
+            print("| target | ppl | Δppl | Δppl by source | next-token agree | greedy agree |\n"
+                  "|---|---|---|---|---|---|")
             for t, r in q["targets"].items():
-                print(f"| {float(t):g} | {r['ppl']:.4f} | {100 * r['ppl_delta']:+.2f} % "
+                deltas = r.get("ppl_delta_by_source", {})
+                by_source = ", ".join(f"{name} {100 * d:+.2f} %" for name, d in deltas.items())
+                print(f"| {float(t):g} | {r['ppl']:.4f} | {100 * r['ppl_delta']:+.2f} % | {by_source or '-'} "
                       f"| {r['next_token_agree']:.3f} | "
                       f"{r['greedy_agree']:.3f} |")
     if result.get("batch_check") is not None:

@@ -212,28 +212,37 @@ def batch_comparison(alone: np.ndarray, together: np.ndarray, tokens_alone, toke
                 equal=bool(np.array_equal(alone, together)), alone=alone.tolist(), batch=together.tolist())  # fmt: skip
 
 
-def quality_pass(llm, prompts, new_tokens: int) -> dict:
-    """Per prompt: sum of prompt NLL and token count, next-token argmax per position, greedy continuation."""
+def quality_pass(llm, prompts, new_tokens: int, names=None) -> dict:
+    """Per prompt: sum of prompt NLL and token count, next-token argmax per position, greedy continuation; with
+    `names` (one per prompt, e.g. the held-out source) also the NLL and token count of each name."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(_token_prompts(prompts), params, use_tqdm=False)
-    nll, tokens, argmax, greedy = 0.0, 0, [], []
-    for ids, o in zip(prompts, outs, strict=True):
+    nll, tokens, argmax, greedy, by_name = 0.0, 0, [], [], {}
+    for i, (ids, o) in enumerate(zip(prompts, outs, strict=True)):
+        prompt_nll = 0.0
         for tok, lp in zip(ids[1:], o.prompt_logprobs[1:], strict=True):
-            nll -= lp[tok].logprob
-            tokens += 1
+            prompt_nll -= lp[tok].logprob
             argmax.append(next(t for t, v in lp.items() if v.rank == 1))
+        nll += prompt_nll
+        tokens += len(ids) - 1
+        if names is not None:
+            acc = by_name.setdefault(names[i], [0.0, 0])
+            acc[0] += prompt_nll
+            acc[1] += len(ids) - 1
         greedy.append(list(o.outputs[0].token_ids))
-    return dict(nll=nll, tokens=tokens, argmax=argmax, greedy=greedy)
+    return dict(nll=nll, tokens=tokens, argmax=argmax, greedy=greedy, by_name=by_name)
 
 
 def quality_row(q: dict, dense: dict) -> dict:
     ppl, dense_ppl = math.exp(q["nll"] / q["tokens"]), math.exp(dense["nll"] / dense["tokens"])
     agree = [a == b for a, b in zip(q["argmax"], dense["argmax"], strict=True)]
     greedy = [a == b for x, y in zip(q["greedy"], dense["greedy"], strict=True) for a, b in zip(x, y, strict=True)]
+    per_source = {name: math.exp((nll / n) - dense["by_name"][name][0] / dense["by_name"][name][1]) - 1.0
+                  for name, (nll, n) in q.get("by_name", {}).items()}  # fmt: skip
     return dict(ppl=ppl, ppl_delta=ppl / dense_ppl - 1.0, next_token_agree=sum(agree) / len(agree),
-                greedy_agree=sum(greedy) / len(greedy))  # fmt: skip
+                greedy_agree=sum(greedy) / len(greedy), ppl_delta_by_source=per_source)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------- the run
@@ -270,10 +279,11 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
     context = int(getattr(AutoConfig.from_pretrained(ckpt), "max_position_embeddings", 0) or 1 << 20)
     items = heldout_prompts(tokenizer, sources, lengths, seeds, context, args.decode_tokens)
     prompts = [ids for *_, ids in items]
-    quality_prompts = []
+    quality_prompts, quality_names = [], []
     if args.quality_length:
-        quality_prompts = [ids for s, n, seed, ids in heldout_prompts(tokenizer, sources, [args.quality_length], [0],
-                                                                     context, args.decode_tokens)]  # fmt: skip
+        quality_items = heldout_prompts(tokenizer, sources, [args.quality_length], [0], context, args.decode_tokens)
+        quality_prompts = [ids for *_, ids in quality_items]
+        quality_names = [source for source, *_ in quality_items]
     max_len = max(len(p) for p in prompts + quality_prompts) + max(args.decode_tokens, 16) + 1
     llm = start_engine(ckpt, min(max_len, context), max(len(prompts), len(quality_prompts), 1), args.dtype)
     classes = law_source["attention_classes"] or None
@@ -282,7 +292,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
     served, batch_check, quality, counted = {}, None, {}, None
     t0 = time.time()
     try:
-        dense = quality_pass(llm, quality_prompts, 16) if quality_prompts else None
+        dense = quality_pass(llm, quality_prompts, 16, quality_names) if quality_prompts else None
         for law, t in keys:
             block = law_block(fits[law], t, classes)
             alone, compared = serve_counters(llm, block, prompts, args.decode_tokens, batch=(law, t) == check)
@@ -291,7 +301,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
                 batch_check = dict(law=law, target=t, dtype=args.dtype, **compared)
             if dense is not None:
                 q = quality.setdefault(law, dict(dense_ppl=math.exp(dense["nll"] / dense["tokens"]), targets={}))
-                q["targets"][t] = quality_row(quality_pass(llm, quality_prompts, 16), dense)
+                q["targets"][t] = quality_row(quality_pass(llm, quality_prompts, 16, quality_names), dense)
             logger.info("served %s law at target %g: %d prompts, %.0f s so far", law, t, len(prompts), time.time() - t0)
         if args.dense_counts:  # what calibration-mode counting (dense activations) predicts for the same laws
             alone_c = count_trials(llm, prompts, [trial_law(fits[law], t) for law, t in keys], args.decode_tokens)
