@@ -335,8 +335,17 @@ def finish_v2(runner, rid: str) -> None:
 
 
 def make_batch(
-    q_lens, kv_lens, *, heads=4, kv_heads=2, dim=32, page=16, num_blocks=64, dtype=torch.float32, gen=None
+    q_lens, kv_lens, *, heads=4, kv_heads=2, dim=32, page=16, num_blocks=64, dtype=torch.float32, gen=None,
+    anchor: float = 0.0,
 ) -> Batch:
+    """A paged batch of random float32 data (N(0, 1) q, k, v: scaled scores ~ N(0, 1)).
+
+    `anchor` > 0 gives every sequence a strong first key tile that every query finds strong (k[:64, :, 0] += anchor,
+    q[..., 0] = |q[..., 0]| + 1). Version 4 of the contract drops a tile only when a whole unit agrees (a 64-row
+    prompt block of a head, a decode row's GQA group) and never in a row's 128 most recent keys: on plain random
+    scores a prompt block practically never drops a tile, so tests that need prompt (and reliable decode) drops
+    shape their data this way. The same seed gives the same random numbers with or without it.
+    """
     gen = gen or torch.Generator().manual_seed(0)
     max_pages = max((n + page - 1) // page for n in kv_lens)
     perm = torch.randperm(num_blocks, generator=gen)
@@ -351,6 +360,7 @@ def make_batch(
         used += n_pages
         k = torch.randn(kl, kv_heads, dim, generator=gen, dtype=torch.float64)
         v = torch.randn(kl, kv_heads, dim, generator=gen, dtype=torch.float64)
+        k[:64, :, 0] += anchor
         k_seq.append(k.to(dtype).to(torch.float64))
         v_seq.append(v.to(dtype).to(torch.float64))
         pos = torch.arange(kl - ql, kl)
@@ -358,7 +368,10 @@ def make_batch(
         k_new.append(k[kl - ql :].to(dtype))
         v_new.append(v[kl - ql :].to(dtype))
     total = sum(q_lens)
-    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    q = torch.randn(total, heads, dim, generator=gen)
+    if anchor:
+        q[..., 0] = q[..., 0].abs() + 1.0
+    q = q.to(dtype)
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     return Batch(
         list(q_lens),
