@@ -299,19 +299,21 @@ def _run_chunks(layer, vllm_config, q, k, v, chunks, page_table, cache, prompt_l
 
 @pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
 def test_chunked_prompt_serves_the_same_rows_as_one_chunk(backend, make_layer, vllm_config):
-    """Semantics v2 through the plugin: with the runner's prompt length, a prompt cut into chunks (as vLLM's token
-    budget does) gives every row the output it gets unchunked, while tiles are dropped."""
-    n_tok = 300
+    """Semantics v2 (v4's prompt blocks) through the plugin: with the runner's prompt length, a prompt cut into chunks
+    at multiples of 64 (as the plugin's scheduler cuts vLLM's token budget; the last chunk ends with the prompt) gives
+    every row the output it gets unchunked, while tiles are dropped."""
+    n_tok = 460
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(n_tok, 4, D, generator=gen)
+    q[:, :, 0] = q[:, :, 0].abs() + 1.0  # every query finds ...
     k = torch.randn(n_tok, 2, D, generator=gen)
-    k[:, :, 0] += 4.0 * (torch.arange(n_tok) < 64).float()[:, None]  # a strong first tile: later tiles drop
+    k[:, :, 0] += 10.0 * (torch.arange(n_tok) < 64).float()[:, None]  # ... a strong first tile: whole blocks drop
     v = torch.randn(n_tok, 2, D, generator=gen)
     page_table = torch.randperm(NB, generator=gen)[: (n_tok + PAGE - 1) // PAGE].to(torch.int32)
     results, skipped = [], []
-    for chunks in ([n_tok], [128, 128, 44], [100, 199, 1]):
+    for chunks in ([n_tok], [128, 128, 204], [64, 384, 12]):
         layer = make_layer(backend, head_size=D)
-        plug.install_sparse_attention([layer], _settings(sf_prefill=40.0))
+        plug.install_sparse_attention([layer], _settings(sf_prefill=200.0))  # λ = 200 / 460
         cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
         attach_kv_cache(layer, cache.kv_cache)
         results.append(_run_chunks(layer, vllm_config, q, k, v, chunks, page_table, cache, n_tok))
