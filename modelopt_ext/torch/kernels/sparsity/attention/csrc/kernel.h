@@ -246,10 +246,24 @@ class Kernel {
     } else if (p.log_sf != nullptr) {
       m_u = unit_statistics(sc, m_lo, M, kstart);
     }
-    const int n_all = m_u - m_lo;
-    for (int i = 0; i < n_all; ++i) kept_m[i] = m_lo + i;
-    std::memcpy(kept_g, g + m_lo, sizeof(float) * std::max(n_all, 0));
-    const int n_kept = std::max(n_all, 0) + (m_u < M ? compare_units(sc, m_u, M, kept_m + n_all, kept_g + n_all) : 0);
+    // Rows m_lo..m_u-1 keep the tile. (Copied inline: a memcpy call per tile, behind a vzeroupper, made fp32 decode
+    // about 5 % slower on Zen 4.)
+    const int n_all = std::max(m_u - m_lo, 0);
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i < n_all; i += 16) {
+      const __mmask16 in =
+          n_all - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n_all - i)) - 1);
+      _mm512_mask_storeu_epi32(kept_m + i, in, _mm512_add_epi32(_mm512_set1_epi32(m_lo + i), lane));
+      _mm512_mask_storeu_ps(kept_g + i, in, _mm512_maskz_loadu_ps(in, g + m_lo + i));
+    }
+#endif
+    for (; i < n_all; ++i) {
+      kept_m[i] = m_lo + i;
+      kept_g[i] = g[m_lo + i];
+    }
+    const int n_kept = n_all + (m_u < M ? compare_units(sc, m_u, M, kept_m + n_all, kept_g + n_all) : 0);
     if (n_kept > 0) {  // rows are sorted by position: the last kept row reads the most V rows
       const int64_t visible = std::min<int64_t>(sc.pos[kept_m[n_kept - 1]] - kstart + 1,
                                                 std::min<int64_t>(kTileK, kv_len - kstart));
