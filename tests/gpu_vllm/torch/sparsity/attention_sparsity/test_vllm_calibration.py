@@ -35,8 +35,9 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug
 
-PAGE, NB, D = 16, 64, 32
-TRIALS = (5.0, 30.0, 90.0)  # scale factors: λ_t = sf_t / n
+PAGE, NB, D = 16, 128, 32
+TRIALS = (10.0, 60.0, 250.0)  # scale factors: λ_t = sf_t / n (0.02 - 0.56 at n = 448)
+ANCHOR = 10.0  # a first tile every query finds strong: whole prompt blocks and GQA groups drop some later tiles
 
 
 def _serve_settings(sf):
@@ -51,11 +52,11 @@ def _run(layer, vllm_config, batch, backend, cache=None):
     return run_layer(layer, vllm_config, batch, backend_metadata(layer, batch)), cache
 
 
-CASES = [
-    ("prefill", [70, 20], [70, 20]),
-    ("decode", [1, 1, 1], [150, 70, 240]),
-    ("chunked_prefill", [40, 75], [170, 140]),
-    ("mixed", [1, 50, 1, 66], [200, 50, 129, 190]),
+CASES = [  # past position 255 (tiles before the 128-key window); prompt chunks start at multiples of 64
+    ("prefill", [448, 20], [448, 20]),
+    ("decode", [1, 1, 1], [450, 70, 640]),
+    ("chunked_prefill", [64, 75], [448, 395]),
+    ("mixed", [1, 50, 1, 66], [600, 50, 300, 450]),
 ]
 
 
@@ -63,7 +64,7 @@ CASES = [
 @pytest.mark.parametrize("case,q_lens,kv_lens", CASES)
 def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens, kv_lens, make_layer, vllm_config):
     gen = torch.Generator().manual_seed(zlib.crc32(f"calib-{backend}-{case}".encode()))
-    batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB, gen=gen)
+    batch = make_batch(q_lens, kv_lens, dim=D, page=PAGE, num_blocks=NB, gen=gen, anchor=ANCHOR)
     layer = make_layer(backend, head_size=D)
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
     out, _ = _run(layer, vllm_config, batch, backend)
@@ -92,15 +93,18 @@ def test_calibration_forward_dense_output_and_trial_counts(backend, case, q_lens
         backend="torch",
     )
     np.testing.assert_array_equal(record["counts"], expected.numpy())
-    if case != "prefill":  # random short prompts rarely skip whole 64x64 prefill tiles; decode tiles do
-        assert record["counts"][..., 1].sum() > 0, "some trial should skip tiles on this data"
+    skipped = record["counts"][..., 1]
+    assert (np.diff(skipped, axis=1) >= 0).all(), "a larger λ drops a superset"
+    dec = np.array([ql == 1 for ql in q_lens])
+    for mask in (dec, ~dec):  # each phase of the case
+        assert not mask.any() or skipped[mask].sum() > 0, "some trial should skip tiles on this data"
     assert plug.collect_calibration_records([layer])[0]["counts"].shape == (0, len(TRIALS), 2)  # reset
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "cpu_attn"])
 def test_calibration_counts_equal_serving_skips(backend, make_layer, vllm_config):
     """For each trial, serving at λ = sf_t / n drops exactly the row-tiles calibration counted."""
-    batch = make_batch([1, 60, 1], [190, 120, 75], dim=D, page=PAGE, num_blocks=NB)
+    batch = make_batch([1, 64, 1], [500, 384, 300], dim=D, page=PAGE, num_blocks=NB, anchor=ANCHOR)
     layer = make_layer(backend, head_size=D)
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=TRIALS)
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
@@ -114,11 +118,12 @@ def test_calibration_counts_equal_serving_skips(backend, make_layer, vllm_config
         stats = plug.get_sparsity_stats([layer])[layer.layer_name]
         for phase, mask in (("prefill", ~dec), ("decode", dec)):
             assert stats[phase] == {"visited": int(counts[mask, t, 0].sum()), "skipped": int(counts[mask, t, 1].sum())}
+    assert counts[~dec, :, 1].sum() > 0 and counts[dec, :, 1].sum() > 0, "both phases drop tiles at some trial"
 
 
 def _law_settings(a_pre, g_pre, a_dec, g_dec):
     def phase(a, g):
-        return PhaseCalibration(a=a, b=1.5, target_sparsity=0.3, length_exponent=g, reference_length=100.0)
+        return PhaseCalibration(a=a, b=1.5, target_sparsity=0.3, length_exponent=g, reference_length=400.0)
 
     return SparseAttentionSettings(prefill=phase(a_pre, g_pre), decode=phase(a_dec, g_dec))
 
@@ -127,9 +132,12 @@ def _law_settings(a_pre, g_pre, a_dec, g_dec):
 def test_law_trials_count_exactly_what_serving_each_law_drops(backend, make_layer, vllm_config):
     """Calibration with served laws as trials (benchmarks/fidelity.py): γ differs per trial and per phase, and each
     trial's counts equal the serving counters of that law, phase by phase."""
-    batch = make_batch([1, 60, 1], [190, 120, 75], dim=D, page=PAGE, num_blocks=NB)
+    batch = make_batch([1, 64, 1], [500, 384, 300], dim=D, page=PAGE, num_blocks=NB, anchor=ANCHOR)
     layer = make_layer(backend, head_size=D)
-    laws = [_law_settings(2.0, 1.4, 0.5, 0.7), _law_settings(40.0, 0.6, 9.0, 1.9), _law_settings(5.0, 1.0, 5.0, 1.0)]
+    # ln λ of the prompt chunk's rows (n = 384): -0.47, -1.42, -0.90; of the decode rows (n = 500, 300): -2.70 and
+    # -2.34, -1.87 and -0.90, -2.08 and -1.56
+    laws = [_law_settings(150.0, 1.4, 20.0, 0.7), _law_settings(60.0, 0.6, 60.0, 1.9),
+            _law_settings(100.0, 1.0, 40.0, 1.0)]  # fmt: skip
     trials = []
     for s in laws:
         trials.append((s.prefill.log_scale_factor, s.decode.log_scale_factor, s.prefill.length_exponent,
@@ -141,7 +149,7 @@ def test_law_trials_count_exactly_what_serving_each_law_drops(backend, make_laye
     counts = record["counts"]
     assert record["scale_factors"] == [0.0, 1.0, 2.0]  # trial labels: law trials have no scale factor
     dec = np.array([ql == 1 for ql in batch.q_lens])
-    skipped_somewhere = 0
+    skipped_somewhere = {"prefill": 0, "decode": 0}
     for t, settings in enumerate(laws):
         plug.install_sparse_attention([layer], settings)
         plug.reset_sparsity_stats([layer])
@@ -149,8 +157,9 @@ def test_law_trials_count_exactly_what_serving_each_law_drops(backend, make_laye
         stats = plug.get_sparsity_stats([layer])[layer.layer_name]
         for phase, mask in (("prefill", ~dec), ("decode", dec)):
             assert stats[phase] == {"visited": int(counts[mask, t, 0].sum()), "skipped": int(counts[mask, t, 1].sum())}
-            skipped_somewhere += stats[phase]["skipped"]
-    assert skipped_somewhere > 0
+            skipped_somewhere[phase] += stats[phase]["skipped"]
+    assert skipped_somewhere["prefill"] > 0 and skipped_somewhere["decode"] > 0
+    assert len({tuple(counts[:, t, 1]) for t in range(len(laws))}) == len(laws), "each law drops its own tiles"
 
 
 def test_calibrate_mode_takes_scale_factors_or_laws_not_both(make_layer):
@@ -238,7 +247,7 @@ def test_calibrate_mode_needs_trials(make_layer):
 def test_triton_backend_through_the_plugin(make_layer, vllm_config):
     """The plugin's views/plan feed the Triton kernel (interpreted on the CPU) with the same results as torch."""
     pytest.importorskip("triton")
-    batch = make_batch([1, 20], [70, 40], dim=D, page=PAGE, num_blocks=NB)
+    batch = make_batch([1, 64], [450, 384], dim=D, page=PAGE, num_blocks=NB, anchor=ANCHOR)
     results = {}
     for backend in ("torch", "triton"):
         layer = make_layer("flashinfer", head_size=D)
@@ -249,3 +258,4 @@ def test_triton_backend_through_the_plugin(make_layer, vllm_config):
         results[backend] = (out, plug.collect_calibration_records([layer])[0]["counts"])
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=2e-5, rtol=0)
     np.testing.assert_array_equal(results["triton"][1], results["torch"][1])
+    assert results["torch"][1][0, :, 1].sum() > 0 and results["torch"][1][1, :, 1].sum() > 0  # both phases drop
