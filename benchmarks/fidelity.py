@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     sources = [s for s in args.sources.split(",") if s]
     quality_length = args.quality_length if args.quality_length is not None else (256 if args.quick else 1024)
     suffix = ("_hf" if args.path == "hf" else "") + ("_quick" if args.quick else "")
-    out_dir = Path(args.out or REPO / "artifacts" / f"fidelity{suffix}")
+    out_dir = Path(args.out or REPO / "artifacts" / f"fidelity{suffix}").resolve()  # the calibration runs in it
     if not Path(args.model, "config.json").is_file():
         sys.exit(f"fidelity: {args.model} is not a Hugging Face checkpoint directory; run `make model` first")
     laws = ["length", "modelopt"] if args.law == "both" else [args.law]
