@@ -164,10 +164,11 @@ def test_bad_switch_value_is_refused_at_startup(monkeypatch):
 
 def _padded_decode_batch(kv_lens, pad_to, seed):
     """A uniform decode batch of len(kv_lens) requests padded to `pad_to` rows as vLLM pads for a full graph:
-    padding rows have no new token, no keys and the null block."""
+    padding rows have no new token, no keys and the null block. A strong first tile: the rows' GQA groups agree on
+    dropping some tiles (contract v4)."""
     live = len(kv_lens)
     batch = make_batch([1] * live, kv_lens, heads=HQ, kv_heads=HKV, dim=D, page=PAGE, num_blocks=NB,
-                       gen=torch.Generator().manual_seed(seed))  # fmt: skip
+                       gen=torch.Generator().manual_seed(seed), anchor=10.0)  # fmt: skip
     pad = pad_to - live
     batch.block_table = torch.cat([batch.block_table, torch.zeros(pad, batch.block_table.shape[1], dtype=torch.int32)])
     batch.seq_lens = torch.cat([batch.seq_lens, torch.zeros(pad, dtype=torch.int32)])
