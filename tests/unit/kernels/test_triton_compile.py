@@ -68,6 +68,10 @@ SCRIPT = PREAMBLE + textwrap.dedent(
                                                  NUM_HEADS=2 * group, SPLIT_BLOCKS=32, V_SKIP=dec,
                                                  FUSED_ACC=cfg.decode_fused_acc),
                   aligned=aligned, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)
+        if mode != 0:  # decode rows of multi-row calls (launched only when deciding)
+            meta = tk.decode_rows_launch(group)
+            options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
+            build(tk._decode_rows_kernel, dtype, dict(common, SPLIT_BLOCKS=32, **meta), aligned=True, **options)
         build(tk._decode_merge_kernel, dtype, dict(HEAD_DIM=d, BLOCK_D=bd, NUM_HEADS=2 * group, SPLIT_TOKENS=2048),
               num_warps=1)
     print("compiled")

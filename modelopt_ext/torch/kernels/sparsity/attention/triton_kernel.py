@@ -5,34 +5,58 @@ inputs (already validated by `semantics.check_inputs`), same output rows, same i
 
 Kernels
 -------
-Both kernels walk key tiles in increasing order with the same `@triton.jit` pieces: `_load_k_tile` /
+The kernels walk key tiles in increasing order with the same `@triton.jit` pieces: `_load_k_tile` /
 `_load_v_tile` (a tile through the block table and any strides; masked, so nothing past kv_len is ever read),
-`_row_log_lambda` (the per-row law of docs/skip_softmax.md), `_drop_rows` (the per-row skip test against the
-anchored split max) and `_online_softmax_update`. Decisions are per row; a program skips a tile's `exp`, V load and
-`P·V` only when every row of its block drops the tile, and otherwise zeroes the dropped rows' probabilities.
+`_row_log_lambda` (the per-row law of docs/skip_softmax.md), `_effective_gap` (a row's tile max minus its anchored
+split max, +inf for tile 0, tiles it does not visit and tiles of its recent window), `_segment_max` (the largest
+effective gap of a decision unit, broadcast to its members) and `_online_softmax_update`.
 
-* `_prefill_kernel` (sequences with `q_len >= 2`): one program per (block of TILE_Q rows, query head).
-  Programs are laid out over a flattened grid of query blocks: sequence `b` owns the program ids
-  `cu_seqlens_q[b] // TILE_Q + b + i` for its blocks `i`; these ranges never overlap, so the grid needs only
-  `total_q // TILE_Q + B` programs (taken in reverse order, longest causal blocks first) and each program
-  finds its sequence by a binary search over `cu_seqlens_q` — no host synchronisation. Key blocks of TILE_K
-  keys are visited in increasing order (online softmax), keys gathered through the block table (any
-  power-of-two page size >= 16; a key tile spans several pages when the page is smaller than TILE_K). Each row
-  keeps its anchor (tile 0's max) and its running max within the current split for the test, besides the
-  softmax running max of the tiles it kept.
+Decisions (contract version 4) are per unit, and every kernel holds its units whole: the prompt rows of an aligned
+block of 64 positions of one query head (a prefill program of 64 or 128 rows holds one or two such blocks: the max
+over each 64-row segment of the program, a reshape to [BLOCK_Q // 64, 64] and a reduction, broadcast back), or a
+decode row's GQA group (the decode kernels hold the group's heads as rows of one `tl.dot` and reduce over them). A
+unit drops a tile iff that max is below ln λ, which its members share (a prompt block's rows have the same n and
+phase). A program skips a tile's `exp`, V load and `P·V` when every unit it holds drops the tile (or its rows do not
+visit it), and otherwise zeroes the probabilities of the rows whose unit drops it.
+
+* `_prefill_kernel` (sequences with `q_len >= 2`): one program per (block of BLOCK_Q rows, query head), the blocks
+  aligned to absolute positions (multiples of BLOCK_Q, itself a multiple of 64), so the first program of a call that
+  starts mid-block holds fewer rows and a sequence needs up to `q_len // BLOCK_Q + 2` programs. Programs are laid
+  out over a flattened grid: sequence `b` owns the program ids `cu_seqlens_q[b] // BLOCK_Q + 2b + i` for its
+  blocks `i`; these ranges never overlap, so the grid needs only `total_q // BLOCK_Q + 2B` programs (taken in
+  reverse order, longest causal blocks first) and each program finds its sequence by a binary search over
+  `cu_seqlens_q` — no host synchronisation. Key blocks of TILE_K keys are visited in increasing order (online
+  softmax), keys gathered through the block table (any power-of-two page size >= 16; a key tile spans several
+  pages when the page is smaller than TILE_K). Each row keeps its anchor (tile 0's max) and its running max within
+  the current split for the test, besides the softmax running max of the tiles it kept. When deciding (serving or
+  calibration) a program holds only prompt rows (pos < prompt_len); dense launches compute every row here.
+* `_decode_rows_kernel` (decode rows, pos >= prompt_len, of sequences with `q_len >= 2`: speculative-decoding
+  verification rows, a request recomputed after preemption; launched only when deciding). Such a row decides with
+  its GQA group, which a one-head prefill program cannot see, so the prefill kernel leaves these rows out and this
+  kernel takes them: one program per (block of `32 // G` consecutive decode rows, KV head), the group's G heads
+  (padded to a power of two) of each row packed into the M dimension of one `tl.dot`, the group max a segmented
+  max over them, one pass over all keys (the split max restarting at each split, as everywhere). Whether a call has
+  such rows is known only on the device, so the grid is sized like the prefill grid (`total_q // (32 // G) + B`
+  programs per KV head; sequence `b` owns `cu_seqlens_q[b] // (32 // G) + b + i`, counted from its first decode
+  row) and every program without decode rows exits after the binary search: CUDA-graph safe, no host read, one
+  small launch of early exits where there are none. Chosen over putting the group's heads into every prefill
+  program (a different, register-heavier prefill kernel for a rare case) and over one program per sequence that
+  loops over its rows (serial over a long recomputed tail); it is not tuned (branch skip mode, 4 warps).
 * `_decode_kernel` (sequences with `q_len == 1`): one program per (sequence, KV head, split of SPLIT_TOKENS
   keys); a split other than the first reads tile 0 once more for its rows' anchor. The GQA group of query heads
-  sharing the KV head is processed together (rows of one `tl.dot`), every decision per query-head row; V is
-  loaded only when at least one row keeps the tile. Sequences with one split write the output directly; otherwise
+  sharing the KV head is processed together (rows of one `tl.dot`) and decides together (a prompt's last row run
+  alone decides per head: its block's only member in the call); V is loaded only when the group keeps the tile.
+  Sequences with one split write the output directly; otherwise
   each split stores its (max, sum, unnormalised accumulator) and `_decode_merge_kernel` merges them exactly
   (log-sum-exp). The number of splits is bounded by `block_table.shape[1] * page_size` (no host read); pass
   `max_seqlen_k` (a host int that must bound every `seq_lens_k`, e.g. vLLM's `max_seq_len`) to tighten it. The
   workspace is `B * Hq * splits * (BLOCK_D + 2)` fp32 (e.g. 256 x 32 x 64 x 130 x 4 B = 272 MB for a 128k-token
   block table without the hint, 8.5 MB with `max_seqlen_k=4096`).
-* Mixed batches: both grids are launched over all sequences; programs whose sequence belongs to the other
-  phase (or has `q_len == 0`) exit immediately, so no per-sequence phase split happens on the host. A pure
-  decode batch still launches `(total_q // TILE_Q + B) x Hq` prefill programs that exit after the binary search
-  (cheap but not free; a caller that knows the batch has no prefill could skip that launch).
+* Mixed batches: all grids are launched over all sequences; programs whose sequence belongs to another kernel
+  (or has `q_len == 0`) exit immediately, so no per-sequence phase split happens on the host. A pure
+  decode batch still launches `(total_q // BLOCK_Q + 2B) x Hq` prefill programs (and, when deciding, the decode-row
+  programs) that exit after the binary search (cheap but not free; a caller that knows the batch has no prefill
+  passes `decode_only` and skips both launches).
 
 Runtime values
 --------------
@@ -90,12 +114,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .semantics import SPLIT_TOKENS, TILE_K, TILE_Q
+from .semantics import DECISION_BLOCK_ROWS, RECENT_WINDOW, SPLIT_TOKENS, TILE_K, TILE_Q
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 MIN_PAGE_SIZE = 16
 LOG2E = tl.constexpr(1.4426950408889634)
+UNIT_ROWS = tl.constexpr(DECISION_BLOCK_ROWS)  # prompt rows of one aligned block decide together
+WINDOW = tl.constexpr(RECENT_WINDOW)  # a row never drops a tile holding one of its WINDOW most recent keys
+DECODE_ROWS_M = 32
+"""Rows of a `_decode_rows_kernel` program's tile (query rows times their GQA group's heads, padded to a power of
+two): 32 // BLOCK_G call rows per program (at least one). 64 needed 254 registers at D = 128 on 4 warps (sm_90)
+and spilled at D = 256 on 8; 32 compiles to 188-205 (D = 128) and 196-251 (D = 256) without spills."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -168,9 +198,27 @@ def _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len):
 
 
 @triton.jit
-def _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable):
-    """The per-row skip test: drop iff the tile's max is below ln λ of the anchored split max (broadcasting)."""
-    return droppable & (tile_max - tl.maximum(m_anchor, m_split) < log_lam)
+def _effective_gap(tile_max, m_anchor, m_split, kb, pos, droppable, BLOCK_K: tl.constexpr):
+    """A row's effective gap of key tile `kb` (docs/skip_softmax.md, "The skip test"): its tile max minus its
+    reference max (the anchored split max) where it may drop the tile (`droppable`: the row visits it and kb > 0)
+    and the tile lies wholly before its recent window (kb·64 + 63 < pos − W + 1), +inf elsewhere (broadcasting)."""
+    before_window = kb * BLOCK_K + (BLOCK_K + WINDOW - 1) <= pos
+    return tl.where(droppable & before_window, tile_max - tl.maximum(m_anchor, m_split), float("inf"))
+
+
+@triton.jit
+def _segment_max(x, member, BLOCK: tl.constexpr, SEG: tl.constexpr):
+    """For every element of `x` [BLOCK], the max of the members (`member`) of its aligned segment of SEG elements
+    (a decision unit: SEG prompt rows of a block, or a decode row's SEG heads), broadcast back; -inf where a segment
+    has no member."""
+    x = tl.where(member, x, float("-inf"))
+    if SEG == 1:
+        return x
+    elif BLOCK == SEG:
+        return tl.full([BLOCK], 0.0, tl.float32) + tl.max(x, axis=0)
+    else:
+        seg = tl.max(tl.reshape(x, [BLOCK // SEG, SEG]), axis=1)
+        return tl.reshape(tl.broadcast_to(seg[:, None], [BLOCK // SEG, SEG]), [BLOCK])
 
 
 @triton.jit
@@ -287,12 +335,14 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
                   stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
                   PAGE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, MODE: tl.constexpr,
                   FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr,
-                  MASKED: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+                  MASKED: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_Q: tl.constexpr):  # fmt: skip
     """One key tile of a prefill program: scores, decisions, softmax and P·V. MASKED: the causal and length masks;
-    without, the caller guarantees every row of the block sees every key of the tile (rows past the sequence's
-    end stay out through `row_in`). `v_ahead`: this tile's V when serving with the `prefetch` skip mode, which
-    returns the next tile's in its place (anything else is passed through). `sink`: the head's sink logit
-    (HAS_SINKS), which every split's running max starts from."""
+    without, the caller guarantees every row of the block sees every key of the tile (rows outside the program's
+    rows of the call stay out through `row_in`). `v_ahead`: this tile's V when serving with the `prefetch` skip
+    mode, which returns the next tile's in its place (anything else is passed through). `sink`: the head's sink
+    logit (HAS_SINKS), which every split's running max starts from. When deciding (MODE 1, 2) every row in `row_in`
+    is a prompt row and its unit is the program's rows of its aligned 64-row segment: they share ln λ (`log_lam`
+    scalar; `log_lam2` [TRIALS_P2] per trial) and drop the tile iff their largest effective gap is below it."""
     kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_in = kpos < kv_len
     kt, page_id, slot = _load_k_tile(
@@ -315,15 +365,19 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, sink, m_split)
     else:
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, float("-inf"), m_split)
-    droppable = valid & (kb > 0)
     keep_row = valid
-    if MODE == 1:
-        drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
-        keep_row = valid & ~drop
-        drops += drop.to(tl.int32)
-    if MODE == 2:
-        drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2, droppable[:, None])
-        drops2 += drop2.to(tl.int32)
+    if MODE != 0:
+        # the rows of one aligned 64-position block visit the same tiles, so a segment's members are all `valid`
+        # or none is; the max runs over `row_in` (the unmasked loop's `valid`)
+        gap = _effective_gap(tile_max, m_anchor, m_split, kb, pos, valid & (kb > 0), BLOCK_K)
+        unit_gap = _segment_max(gap, row_in, BLOCK_Q, UNIT_ROWS)
+        if MODE == 1:
+            drop = valid & (unit_gap < log_lam)
+            keep_row = valid & ~drop
+            drops += drop.to(tl.int32)
+        else:
+            drop2 = valid[:, None] & (unit_gap[:, None] < log_lam2[None, :])
+            drops2 += drop2.to(tl.int32)
     m_split = tl.maximum(m_split, tile_max)
     m_i, l_i, acc = _value_step(
         v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
@@ -347,50 +401,58 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr, V_SKIP: tl.constexpr, FUSED_ACC: tl.constexpr, SPLIT_CAUSAL: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    # MODE: 0 dense without counts, 1 serving (drop per row), 2 calibration (dense, count all trials).
+    # MODE: 0 dense without counts, 1 serving (drop per unit), 2 calibration (dense, count all trials).
     # Reversed order: the last (longest, causal) query blocks start first, which shortens the tail of the grid.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
 
-    # Sequence of this program: the largest b with cu_q[b] // BLOCK_Q + b <= pid (starts strictly increase).
+    # Sequence of this program: the largest b with cu_q[b] // BLOCK_Q + 2b <= pid (starts strictly increase).
     lo = pid * 0
     hi = lo + num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + 2 * mid
         lo = tl.where(start <= pid, mid, lo)
         hi = tl.where(start <= pid, hi, mid)
     seq = lo
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     kv_len = tl.load(kv_lens_ptr + seq)
-    q_block = pid - (q_start // BLOCK_Q + seq)
-    if (q_len <= 1) | (q_block * BLOCK_Q >= q_len):
-        return  # decode / empty sequence, or a block past the sequence's end
+    prompt_len = tl.load(prompt_ptr + seq)
+    # Program i of the sequence holds the call's rows at absolute positions [block_pos, block_pos + BLOCK_Q) of the
+    # aligned block (first new position // BLOCK_Q) + i: a call that starts mid-block has a partial first program.
+    first_new = kv_len - q_len  # position of the call's first row
+    block_pos = (first_new // BLOCK_Q + pid - (q_start // BLOCK_Q + 2 * seq)) * BLOCK_Q
+    row_end = kv_len  # one past the last position this program may hold
+    if MODE != 0:
+        row_end = tl.minimum(row_end, prompt_len)  # deciding: prompt rows only (decode rows: _decode_rows_kernel)
+    first_pos = tl.maximum(block_pos, first_new)
+    last_pos = tl.minimum(block_pos + BLOCK_Q, row_end) - 1
+    if (q_len <= 1) | (last_pos < first_pos):
+        return  # decode / empty sequence, a block past the sequence's end, or decode rows only
 
-    rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    row_in = rows < q_len
+    pos = block_pos + tl.arange(0, BLOCK_Q)  # absolute position = last key each row sees
+    rows = pos - first_new  # index among the call's rows
+    row_in = (pos >= first_pos) & (pos <= last_pos)
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < HEAD_DIM
     q_rows = (q_start + rows).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_in[:, None] & d_in[None, :], other=0.0)
 
-    pos = kv_len - q_len + rows  # absolute position = last key each row sees
-    last_row = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-    n_kblocks = (kv_len - q_len + last_row) // BLOCK_K + 1  # every one of them is visited by some row
+    n_kblocks = last_pos // BLOCK_K + 1  # every one of them is visited by some row
 
     trials = tl.arange(0, TRIALS_P2)
-    prompt_len = tl.load(prompt_ptr + seq)
-    log_lam = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    log_lam2 = tl.full([BLOCK_Q, TRIALS_P2], float("-inf"), tl.float32)
+    # The rows that decide are prompt rows: one ln λ for all of them (n = prompt_len), per trial when calibrating.
+    log_lam = float("-inf")
+    log_lam2 = tl.full([TRIALS_P2], float("-inf"), tl.float32)
     if MODE != 0:
         c_pre, c_dec, g_pre, g_dec = _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS, MODE)
         if MODE == 1:
-            log_lam = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
+            log_lam = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, first_pos, prompt_len)
         else:
-            log_lam2 = _row_log_lambda(c_pre[None, :], c_dec[None, :], g_pre, g_dec, pos[:, None], prompt_len)
+            log_lam2 = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, first_pos, prompt_len)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     m_anchor = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -416,20 +478,20 @@ def _prefill_kernel(
                                       stride_vd, PAGE, BLOCK_K)  # fmt: skip
     kb_masked = 0
     if SPLIT_CAUSAL:  # tiles every row of the block sees whole (keys <= the first row's position): no mask
-        kb_masked = tl.minimum((kv_len - q_len + q_block * BLOCK_Q + 1) // BLOCK_K, n_kblocks)
+        kb_masked = tl.minimum((first_pos + 1) // BLOCK_K, n_kblocks)
         for kb in range(0, kb_masked):
             m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
                 kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
                 v_ahead, sink, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
                 stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-                PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False, HAS_SINKS,
+                PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, False, HAS_SINKS, BLOCK_Q,
             )  # fmt: skip
     for kb in range(kb_masked, n_kblocks):
         m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead = _prefill_tile(
             kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, drops, drops2, log_lam, log_lam2,
             v_ahead, sink, unit, softmax_scale, softcap, k_ptr, v_ptr, bt_row, kv_head, offs_d, d_in,
             stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-            PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True, HAS_SINKS,
+            PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True, HAS_SINKS, BLOCK_Q,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -492,6 +554,7 @@ def _decode_kernel(
     pos = kv_len - 1
     trials = tl.arange(0, TRIALS_P2)
     prompt_len = tl.load(prompt_ptr + seq)
+    is_prompt = pos < prompt_len
     log_lam = float("-inf")
     log_lam2 = tl.full([TRIALS_P2], float("-inf"), tl.float32)
     if MODE != 0:
@@ -537,16 +600,19 @@ def _decode_kernel(
         s = tl.where(k_in[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_K]
         tile_max = tl.max(s, axis=1) * unit
         m_anchor = tl.where(kb == 0, tile_max, m_anchor)
-        droppable = g_in & (kb > 0)
         keep_row = g_in
-        if MODE == 1:
-            drop = _drop_rows(tile_max, m_anchor, m_split, log_lam, droppable)
-            keep_row = g_in & ~drop
-            n_drop += tl.where(trials == 0, tl.sum(drop.to(tl.int32), axis=0), 0)
-        if MODE == 2:
-            drop2 = _drop_rows(tile_max[:, None], m_anchor[:, None], m_split[:, None], log_lam2[None, :],
-                               droppable[:, None])  # fmt: skip
-            n_drop += tl.sum(drop2.to(tl.int32), axis=0)
+        if MODE != 0:
+            # a decode row's unit is its GQA group (the largest effective gap of the group's heads); a prompt row
+            # alone in its call (a prompt's last row) is its own block's only member: it decides per head
+            gap = _effective_gap(tile_max, m_anchor, m_split, kb, pos, g_in & (kb > 0), BLOCK_K)
+            unit_gap = tl.where(is_prompt, gap, tl.max(tl.where(g_in, gap, float("-inf")), axis=0))
+            if MODE == 1:
+                drop = g_in & (unit_gap < log_lam)
+                keep_row = g_in & ~drop
+                n_drop += tl.where(trials == 0, tl.sum(drop.to(tl.int32), axis=0), 0)
+            else:
+                drop2 = g_in[:, None] & (unit_gap[:, None] < log_lam2[None, :])
+                n_drop += tl.sum(drop2.to(tl.int32), axis=0)
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
@@ -603,6 +669,129 @@ def _decode_merge_kernel(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Decode rows of multi-row calls
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _decode_rows_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
+    sinks_ptr, softmax_scale, softcap, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_kp, stride_kh, stride_kd,
+    stride_vb, stride_vp, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    N_TRIALS: tl.constexpr, TRIALS_P2: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """Decode rows (pos >= prompt_len) of sequences with q_len >= 2 (speculative-decoding verification rows, a
+    request recomputed after preemption), which the prefill kernel leaves out when deciding: one program per
+    (BLOCK_R consecutive decode rows, KV head), the rows' GQA-group heads packed into the M dimension (element m is
+    row m // BLOCK_G, head m % BLOCK_G), so each row's unit (its group's heads) is a segment of BLOCK_G elements.
+    Sequence `b` owns program ids `cu_q[b] // BLOCK_R + b + i` for its decode-row blocks `i` (counted from its
+    first decode row); every other program exits after the binary search. One pass over the keys (no split-K):
+    the split max restarts at each split as in every other kernel. Serving skips with a branch (V_SKIP 0)."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lo = pid * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_R + mid
+        lo = tl.where(start <= pid, mid, lo)
+        hi = tl.where(start <= pid, hi, mid)
+    seq = lo
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prompt_len = tl.load(prompt_ptr + seq)
+    first_new = kv_len - q_len
+    first_row = tl.maximum(prompt_len - first_new, 0) + (pid - (q_start // BLOCK_R + seq)) * BLOCK_R
+    if (q_len <= 1) | (first_row >= q_len):
+        return  # a decode step (the decode kernel's), an empty sequence, or no decode rows left for this program
+
+    m = tl.arange(0, BLOCK_R * BLOCK_G)
+    g = m % BLOCK_G
+    rows = first_row + m // BLOCK_G
+    row_in = (rows < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_in = offs_d < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_in[:, None] & d_in[None, :], other=0.0)
+
+    pos = first_new + rows
+    last_pos = tl.minimum(first_new + first_row + BLOCK_R, kv_len) - 1
+    n_kblocks = last_pos // BLOCK_K + 1
+
+    trials = tl.arange(0, TRIALS_P2)
+    c_pre, c_dec, g_pre, g_dec = _law(log_sf_ptr, gamma_ptr, seq, trials, N_TRIALS, MODE)
+    log_lam = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
+    log_lam2 = tl.full([BLOCK_R * BLOCK_G, TRIALS_P2], float("-inf"), tl.float32)
+    if MODE == 1:
+        log_lam = _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len)
+    else:
+        log_lam2 = _row_log_lambda(c_pre[None, :], c_dec[None, :], g_pre, g_dec, pos[:, None], prompt_len)
+
+    m_i = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
+    m_anchor = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
+    m_split = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_R * BLOCK_G, BLOCK_D], tl.float32)
+    sink = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=float("-inf"))
+        m_i = sink
+        l_i = tl.full([BLOCK_R * BLOCK_G], 1.0, tl.float32)
+    drops = tl.zeros([BLOCK_R * BLOCK_G], tl.int32)
+    drops2 = tl.zeros([BLOCK_R * BLOCK_G, TRIALS_P2], tl.int32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    unit = _score_unit(softmax_scale, SOFTCAP)
+    for kb in range(0, n_kblocks):
+        kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_in = kpos < kv_len
+        kt, page_id, slot = _load_k_tile(
+            k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
+        )
+        s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
+        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
+        valid = row_in & (kb * BLOCK_K <= pos)
+        tile_max = tl.max(s, axis=1) * unit
+        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+        m_split = tl.where(kb % SPLIT_BLOCKS == 0, sink, m_split)
+        # a row's heads visit the same tiles: the group max runs over the row's real heads
+        gap = _effective_gap(tile_max, m_anchor, m_split, kb, pos, valid & (kb > 0), BLOCK_K)
+        unit_gap = _segment_max(gap, row_in, BLOCK_R * BLOCK_G, BLOCK_G)
+        keep_row = valid
+        if MODE == 1:
+            drop = valid & (unit_gap < log_lam)
+            keep_row = valid & ~drop
+            drops += drop.to(tl.int32)
+        else:
+            drops2 += (valid[:, None] & (unit_gap[:, None] < log_lam2)).to(tl.int32)
+        m_split = tl.maximum(m_split, tile_max)
+        m_i, l_i, acc = _value_step(
+            v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, 0, FP32_DOT, False,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & d_in[None, :])
+    n_visited = tl.sum(tl.where(row_in, pos // BLOCK_K + 1, 0), axis=0)
+    if MODE == 1:
+        n_drop = tl.where(trials == 0, tl.sum(drops, axis=0), 0)
+    else:
+        n_drop = tl.sum(drops2, axis=0)
+    _add_counts(counts_ptr, seq, trials, n_visited, n_drop, N_TRIALS)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Host wrapper
 # --------------------------------------------------------------------------------------------------------------
 
@@ -641,7 +830,8 @@ class LaunchConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"LaunchConfig.{name} must be one of {sorted(allowed)}, got {value!r}")
-        choices = {"prefill_block_q": (16, 32, 64, 128, 256), "prefill_warps": (1, 2, 4, 8, 16),
+        # prefill programs hold whole aligned 64-row decision blocks (docs/skip_softmax.md, version 4)
+        choices = {"prefill_block_q": (64, 128, 256), "prefill_warps": (1, 2, 4, 8, 16),
                    "decode_warps": (1, 2, 4, 8, 16)}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -661,6 +851,13 @@ def default_launch_config(head_dim: int) -> LaunchConfig:
         return LaunchConfig(prefill_block_q=128, prefill_warps=8, prefill_stages=2, prefill_skip="exp",
                             prefill_split_causal=True, decode_warps=2, decode_stages=3)
     return LaunchConfig(prefill_block_q=64, prefill_warps=4, prefill_stages=2, decode_warps=2, decode_stages=3)
+
+
+def decode_rows_launch(group: int) -> dict:
+    """Compile-time block sizes and launch options of `_decode_rows_kernel` for a GQA group of `group` query heads:
+    the group padded to a power of two, 32 // that many call rows per program (at least one), 4 warps, 2 stages."""
+    block_g = triton.next_power_of_2(group)
+    return dict(BLOCK_G=block_g, BLOCK_R=max(1, DECODE_ROWS_M // block_g), num_warps=4, num_stages=2)
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -825,14 +1022,24 @@ def launch_triton(
 
     cfg = config if config is not None else default_launch_config(head_dim)
     if not decode_only:
-        # Prefill: flattened grid of query blocks (see the module docstring), one program per query head.
+        # Prefill: flattened grid of query blocks aligned to absolute positions (see the module docstring), one
+        # program per query head; up to q_len // BLOCK_Q + 2 blocks per sequence.
         block_q = cfg.prefill_block_q
-        _prefill_kernel[(total_q // block_q + batch, num_heads)](
+        _prefill_kernel[(total_q // block_q + 2 * batch, num_heads)](
             *tensors, float(softmax_scale), float(softcap), batch, *common_strides,
             BLOCK_Q=block_q, V_SKIP=SKIP_MODES[cfg.prefill_skip], FUSED_ACC=cfg.prefill_fused_acc,
             SPLIT_CAUSAL=cfg.prefill_split_causal, num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
             **shared,
         )  # fmt: skip
+
+        if mode != 0:
+            # Decode rows of multi-row calls (only the device knows whether there are any): their GQA group's heads
+            # decide together, which a one-head prefill program cannot see. Dense launches leave them to the prefill
+            # kernel (nothing is decided).
+            meta = decode_rows_launch(group)
+            _decode_rows_kernel[(total_q // meta["BLOCK_R"] + batch, num_kv_heads)](
+                *tensors, float(softmax_scale), float(softcap), batch, *common_strides, **meta, **shared,
+            )  # fmt: skip
 
     # Decode: (sequence, KV head, split).
     max_splits = _decode_splits(block_table, page, max_seqlen_k)
