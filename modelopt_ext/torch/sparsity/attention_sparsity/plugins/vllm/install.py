@@ -405,7 +405,8 @@ def _make_sparse(name: str, layer, context: SparseAttentionContext, unchanged: b
         else:
             state.context, state.records = context, []
             if state.phase_counts is not None:  # zeroed in place: a captured decode graph adds into this tensor
-                state.phase_counts.zero_()
+                with torch.inference_mode():  # vLLM's forward created it under inference mode
+                    state.phase_counts.zero_()
             report.reconfigured.append(name)
         return
     sparse = object.__new__(_SPARSE_BY_NATIVE[native])
