@@ -342,3 +342,32 @@ def test_trace_lines(tmp_path, monkeypatch):
     traced = [tuple(c) for rec in lines for c in rec["prefill_chunks"]]
     assert traced == [c for c in run["chunks"] if c[1] < c[3]]
     assert sum(rec["trimmed"] for rec in lines) == scheduler.modelopt_alignment_stats()["trimmed_tokens"]
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.parametrize(("switch", "user"), [("1", None), ("1", "UserScheduler"), ("0", None)])
+def test_vllms_engine_config_path_installs_it(switch, user, smollm2_checkpoint, tmp_path, monkeypatch):
+    """vLLM's own EngineArgs path with the general plugin loaded by vLLM: a sparse checkpoint's engine config names
+    the aligned scheduler (composed with a user's); switched off, vLLM's default stays."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+        build_sparse_attention_config,
+        linked_checkpoint_copy,
+        write_sparse_attention_config,
+    )
+
+    monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN", switch)
+    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path / "ckpt")
+    fits = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}
+    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=0.5))
+    given = f"{__name__}.{user}" if user else None
+    config = EngineArgs(model=str(ckpt), dtype="float32", max_model_len=1024, scheduler_cls=given,
+                        max_num_batched_tokens=200).create_engine_config()  # fmt: skip
+    name = config.scheduler_config.scheduler_cls
+    if switch == "0":
+        assert name == given
+    elif user:
+        assert name == al.composed_scheduler_name(given)
+    else:
+        assert name == f"{al.__name__}.AlignedScheduler"
