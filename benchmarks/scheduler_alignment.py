@@ -17,7 +17,8 @@ prefilled, the tokens the alignment cut per step and the prefix-cache hits. Roun
         --out artifacts/scheduler_alignment
 
 Timing on a shared 2-core machine is noisy: the table gives the fastest round (the least disturbed) and the median
-of each engine, their ratios, and the step and token counts, which do not depend on the load.
+of each engine, the CPU seconds of its processes (less disturbed by other work), their ratios, and per-round
+medians of the step and token counts (which vary a little with when the engine core sees the batch's requests).
 `--table-from results.json` prints the table of an earlier run.
 """
 
@@ -67,15 +68,31 @@ def run_engine(args) -> dict:
         marker = _trace_lines(args.trace)
         llm.generate([{"prompt_token_ids": seed}], params, use_tqdm=False)  # the shared prefix, cached
         start_lines = _trace_lines(args.trace)
-        t0 = time.perf_counter()
+        cpu0, t0 = _engine_cpu_s(), time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _engine_cpu_s() - cpu0
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         ttft = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None) is not None]
-        rounds.append({"wall_s": wall, "prompt_tokens": sum(len(p) for p in batch), "generated_tokens": generated,
-                       "ttft_s": ttft, "seed_trace_lines": [marker, start_lines],
+        rounds.append({"wall_s": wall, "cpu_s": cpu, "prompt_tokens": sum(len(p) for p in batch),
+                       "generated_tokens": generated, "ttft_s": ttft, "seed_trace_lines": [marker, start_lines],
                        "batch_trace_lines": [start_lines, _trace_lines(args.trace)]})  # fmt: skip
     return {"rounds": rounds}
+
+
+def _engine_cpu_s() -> float:
+    """CPU seconds (user + system) this process and vLLM's engine-core and worker processes have used: less
+    disturbed by other work on the machine than wall time."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def _trace_lines(path: Path) -> int:
@@ -187,9 +204,9 @@ def _min(run, key):
 
 def table(results: dict) -> str:
     rows = [f"CPU: {results['cpu']} ({results['cores']} cores)",
-            "| budget | scheduler | wall s (min / median) | tok/s (best) | TTFT mean s (median) | steps "
-            "| tokens/prefill step | cut/prefill step | hit tokens | off-grid chunks |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| budget | scheduler | wall s (min / median) | CPU s (min / median) | tok/s (best) | TTFT mean s (median) "
+            "| steps | tokens/prefill step | cut/prefill step | hit tokens | off-grid chunks |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["budget"], r["scheduler"]): r for r in results["runs"]}
     for budget in sorted({r["budget"] for r in results["runs"]}):
         for name in ("vllm", "aligned"):
@@ -198,17 +215,31 @@ def table(results: dict) -> str:
                 continue
             r0 = run["rounds"][0]
             tok = (r0["prompt_tokens"] + r0["generated_tokens"]) / _min(run, "wall_s")
-            rows.append(f"| {budget} | {name} | {_min(run, 'wall_s'):.2f} / {_median(run, 'wall_s'):.2f} | {tok:.0f} | "
-                        f"{_ttft(run):.2f} | {r0['steps']} "
-                        f"| {r0['scheduled_per_prefill_step']:.1f} | {r0['trimmed_per_prefill_step']:.1f} | "
-                        f"{r0['hit_tokens']} | {r0['off_grid_chunks']} |")  # fmt: skip
+            rows.append(f"| {budget} | {name} | {_min(run, 'wall_s'):.2f} / {_median(run, 'wall_s'):.2f} | "
+                        f"{_cpu(run, min)} / {_cpu(run, statistics.median)} | {tok:.0f} | "
+                        f"{_ttft(run):.2f} | {_median(run, 'steps'):g} "
+                        f"| {_median(run, 'scheduled_per_prefill_step'):.1f} | "
+                        f"{_median(run, 'trimmed_per_prefill_step'):.1f} | {_median(run, 'hit_tokens'):g} | "
+                        f"{max(r['off_grid_chunks'] for r in run['rounds'])} |")  # fmt: skip
         if (budget, "vllm") in by and (budget, "aligned") in by:
             base, al = by[(budget, "vllm")], by[(budget, "aligned")]
             rows.append(f"| {budget} | aligned / vllm | {_min(al, 'wall_s') / _min(base, 'wall_s'):.3f} / "
-                        f"{_median(al, 'wall_s') / _median(base, 'wall_s'):.3f} | "
+                        f"{_median(al, 'wall_s') / _median(base, 'wall_s'):.3f} | {_cpu_ratio(al, base)} | "
                         f"{_min(base, 'wall_s') / _min(al, 'wall_s'):.3f} | "
                         f"{_ttft(al) / _ttft(base):.3f} | | | | | |")  # fmt: skip
     return "\n".join(rows)
+
+
+def _cpu(run, how) -> str:
+    values = [r["cpu_s"] for r in run["rounds"] if "cpu_s" in r]
+    return f"{how(values):.1f}" if values else "-"
+
+
+def _cpu_ratio(al, base) -> str:
+    a, b = ([r["cpu_s"] for r in x["rounds"] if "cpu_s" in r] for x in (al, base))
+    if not a or not b:
+        return "-"
+    return f"{min(a) / min(b):.3f} / {statistics.median(a) / statistics.median(b):.3f}"
 
 
 def _ttft(run) -> float:
