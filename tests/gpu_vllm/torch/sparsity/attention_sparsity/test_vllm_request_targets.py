@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets
     validate_request,
 )
 
-PAGE, NB, D = 16, 64, 32
+PAGE, NB, D = 16, 128, 32
 RANGE = (0.1, 0.9)
 A_PRE, B_PRE, A_DEC, B_DEC = 2.0, 6.0, 0.5, 6.0  # λ < 1 at the tested lengths and targets
 
@@ -67,9 +68,9 @@ def _phase(a=A_PRE, b=B_PRE, target=0.5, **extra):
     return PhaseCalibration(a=a, b=b, target_sparsity=target, observed_sparsity_range=RANGE, **extra)
 
 
-def _settings(prefill=True, decode=True, target=0.5):
-    return SparseAttentionSettings(prefill=_phase(target=target) if prefill else None,
-                                   decode=_phase(a=A_DEC, b=B_DEC, target=target) if decode else None)
+def _settings(prefill=True, decode=True, target=0.5, a_pre=A_PRE, a_dec=A_DEC):
+    return SparseAttentionSettings(prefill=_phase(a=a_pre, target=target) if prefill else None,
+                                   decode=_phase(a=a_dec, b=B_DEC, target=target) if decode else None)
 
 
 V1Runner = v1_runner  # what the plugin reads of vLLM's model runner V1 (vllm_plugin_testlib)
@@ -288,11 +289,16 @@ def _one(batch: Batch, i: int) -> Batch:
 
 
 def _peaked_batch(gen):
-    batch = make_batch([96, 1, 1], [300, 260, 220], dim=D, page=PAGE, num_blocks=NB, gen=gen)
-    for k in batch.k_seq:  # a strong first tile, so later tiles drop at every target ...
-        k[:64, :, 0] += 8.0
-    batch.q[..., 0] = batch.q[..., 0].abs() + 1.0  # ... for every query (a query with q[0] < 0 would find it weak)
-    return batch
+    """A prompt chunk of 128 rows from position 320 (two whole 64-row blocks) of a 448-token prompt, decode rows at
+    700 and 420 keys; a strong first tile for every query (contract v4: whole blocks and GQA groups drop tiles)."""
+    return make_batch([128, 1, 1], [448, 700, 420], dim=D, page=PAGE, num_blocks=NB, gen=gen, anchor=10.0)
+
+
+def _mixed_settings(target=0.5):
+    """The mixed step's checkpoint: λ = 55·e^(6·target) / n (prefill), 1·e^(6·target) / n (decode). At these
+    lengths the prompt chunk drops tiles at target 0.2 and none at 0.5 (λ >= 1); the 700-key decode row drops more
+    at 0.8 (λ = 0.17) than at 0.5 (λ = 0.029)."""
+    return _settings(target=target, a_pre=55.0, a_dec=1.0)
 
 
 def _use_runner(layer, runner) -> None:
@@ -313,14 +319,13 @@ def _serve(layer, vllm_config, batch, runner, **metadata):
 
 
 def _mixed_step(make_layer, backend):
-    """A sparse layer with a filled cache, a fresh peaked batch (a prefill and two decodes) and its three requests:
-    targets 0.2, 0.8 and dense."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    batch = _peaked_batch(gen)
-    requests = [("lo", 300, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
+    """A sparse layer with a filled cache, a peaked batch (a prefill chunk and two decodes; fixed per backend: the
+    drops the tests need hold on it, see `_mixed_settings`) and its three requests: targets 0.2, 0.8 and dense."""
+    batch = _peaked_batch(torch.Generator().manual_seed(zlib.crc32(f"mixed-step-{backend}".encode())))
+    requests = [("lo", 448, {"sparse_attn_target": 0.2}), ("hi", 200, {"sparse_attn_target": 0.8}),
                 ("dense", 100, {"sparse_attn_target": "dense"})]
     layer = make_layer(backend, head_size=D)
-    plug.install_sparse_attention([layer], _settings())
+    plug.install_sparse_attention([layer], _mixed_settings())
     cache = make_cache(cache_kind_for(backend), NB, PAGE, 2, D)
     fill_prefix(cache, batch, PAGE)
     attach_kv_cache(layer, cache.kv_cache)
@@ -330,7 +335,8 @@ def _mixed_step(make_layer, backend):
 @pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
 def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_layer, vllm_config):
     """Three requests at 0.2, 0.8 and dense in one step: each row equals the row served alone, and equals the
-    checkpoint served at that target; the dense request equals the float64 reference; skipped tiles add up."""
+    checkpoint served at that target (not at its own); the dense request equals the float64 reference; skipped tiles
+    add up."""
     layer, batch, requests = _mixed_step(make_layer, backend)
     mixed, mixed_counts, per_request = _serve(layer, vllm_config, batch, V1Runner(requests))
     rows = batch.query_start_loc.tolist()
@@ -348,11 +354,15 @@ def test_each_row_is_served_at_its_own_target_whatever_the_batch(backend, make_l
     assert alone_counts[0]["prefill"]["skipped"] > 0 and alone_counts[1]["decode"]["skipped"] > 0
     dense = dense_reference(batch, layer.impl.scale).reshape(batch.num_tokens, -1).float()
     torch.testing.assert_close(mixed[rows[2] : rows[3]], dense[rows[2] : rows[3]], atol=2e-5, rtol=0)
-    # the same rows from a checkpoint whose own target is the request's
+    # the same rows from a checkpoint whose own target is the request's; not those of the checkpoint's target (0.5)
     for i, target in ((0, 0.2), (1, 0.8)):
-        plug.install_sparse_attention([layer], _settings(target=target))
-        served, _, _ = _serve(layer, vllm_config, _one(batch, i), V1Runner([(requests[i][0], requests[i][1], None)]))
+        alone_request = V1Runner([(requests[i][0], requests[i][1], None)])
+        plug.install_sparse_attention([layer], _mixed_settings(target=target))
+        served, _, _ = _serve(layer, vllm_config, _one(batch, i), alone_request)
         torch.testing.assert_close(mixed[rows[i] : rows[i + 1]], served, atol=1e-6, rtol=0)
+        plug.install_sparse_attention([layer], _mixed_settings())
+        at_checkpoint_target, _, _ = _serve(layer, vllm_config, _one(batch, i), alone_request)
+        assert (mixed[rows[i] : rows[i + 1]] - at_checkpoint_target).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "cpu_attn"])
@@ -372,7 +382,7 @@ def test_model_runner_v2_serves_each_row_at_its_requests_target(backend, make_la
     finish_v2(runner, "hi")
     admit_v2(runner, processors, [("plain", 1, 200, None)])
     plan = getattr(backend_metadata(layer, batch, req_idx=np.array(slots)), plug.PLAN_ATTR)
-    checkpoint = torch.tensor([_settings().prefill.log_scale_factor, _settings().decode.log_scale_factor])
+    checkpoint = torch.tensor([_mixed_settings().prefill.log_scale_factor, _mixed_settings().decode.log_scale_factor])
     torch.testing.assert_close(plan.log_scale_factors[1], checkpoint, atol=1e-6, rtol=0)
     assert plug.get_request_stats([layer], ["hi"])["hi"]["finished"]
 
