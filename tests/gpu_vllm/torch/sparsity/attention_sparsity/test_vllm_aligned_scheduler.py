@@ -57,15 +57,20 @@ def _engine_config(*, budget: int, block: int, prefix_caching: bool, long_prefil
 
 
 def _make_scheduler(cls, *, budget: int = 200, block: int = 16, prefix_caching: bool = True, num_blocks: int = 400,
-                    long_prefill: int = 0):  # fmt: skip
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+                    long_prefill: int = 0, sliding_window: int | None = None):  # fmt: skip
+    """One KV-cache group of full attention; with `sliding_window`, a second group of sliding-window layers (vLLM's
+    hybrid coordinator, as for Gemma 2/3 and gpt-oss)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = _engine_config(budget=budget, block=block, prefix_caching=prefix_caching, long_prefill=long_prefill)
     config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    geometry = {"block_size": block, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**geometry))]
+    if sliding_window:
+        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
+                                       SlidingWindowSpec(**geometry, sliding_window=sliding_window)))
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     kwargs = {"vllm_config": config, "kv_cache_config": kv_config,
               "structured_output_manager": StructuredOutputManager(config), "block_size": block}  # fmt: skip
     if "hash_block_size" in inspect.signature(Scheduler.__init__).parameters:
@@ -231,6 +236,21 @@ def test_prefix_hit_lookups_go_through_vllm_with_an_aligned_cap():
     raw = type(coordinator).find_longest_cache_hit(coordinator, probe.block_hashes, probe.num_tokens - 1)
     assert raw[1] == 288 and aligned[1] == 256
     by_hand = type(coordinator).find_longest_cache_hit(coordinator, probe.block_hashes, 256)
+    assert [[b.block_id for b in g] for g in aligned[0]] == [[b.block_id for b in g] for g in by_hand[0]]
+
+
+def test_hits_with_a_sliding_window_group_are_consistent():
+    """vLLM's hybrid coordinator (full attention + a 128-token sliding window): the aligned hit is the one vLLM's own
+    lookup gives for that length in every group, and every request runs to the end on it."""
+    scheduler = _make_scheduler(al.AlignedScheduler, budget=200, block=16, sliding_window=128)
+    assert type(scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    run = _run(scheduler, _prompts(**WORKLOAD), 16, stagger=4)
+    assert not _off_grid(run["chunks"]) and run["hits"] and all(start % ALIGN == 0 for _, start in run["hits"])
+    probe = _request(_prompts(**WORKLOAD)[1], 16)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    aligned = coordinator.find_longest_cache_hit(probe.block_hashes, probe.num_tokens - 1)
+    by_hand = type(coordinator).find_longest_cache_hit(coordinator, probe.block_hashes, aligned[1])
+    assert aligned[1] % ALIGN == 0 and aligned[1] > 0
     assert [[b.block_id for b in g] for g in aligned[0]] == [[b.block_id for b in g] for g in by_hand[0]]
 
 
