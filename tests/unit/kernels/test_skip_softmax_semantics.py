@@ -22,8 +22,7 @@ from skip_attention_helpers import (
     safe_lambdas,
 )
 
-from modelopt_ext.torch.kernels.sparsity.attention import SPLIT_TOKENS, paged_skip_softmax_attention
-from modelopt_ext.torch.kernels.sparsity.attention import semantics
+from modelopt_ext.torch.kernels.sparsity.attention import SPLIT_TOKENS, paged_skip_softmax_attention, semantics
 
 BACKENDS = ["torch", "triton"]
 # (atol, rtol) of a backend's output vs float64; fp16 outputs are rounded to fp16 (and Triton's P·V uses fp16 P).

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .semantics import SPLIT_TOKENS, decode_workspace_numel
+from .semantics import RECENT_WINDOW, SPLIT_TOKENS, TILE_K, decode_workspace_numel
 
 Launch = Callable[..., torch.Tensor | None]
 
@@ -69,6 +69,9 @@ class _DecodeBuffers:
         self.k = self._randn(shape)
         self.v = self._randn(shape)
         self.q = self._randn((batch, num_heads, head_size))
+        # A direction every query leans towards and each sequence's first key holds strongly: the anchor tile then
+        # stands out as in real attention, so whole GQA groups drop tiles (version 4 decides per group).
+        self.anchor = torch.nn.functional.normalize(self._randn((head_size,)).float(), dim=0).to(device, dtype)
         self.out = torch.empty(batch, num_heads, head_size, dtype=dtype, device=device)
         self.block_table = torch.zeros(batch, self.width, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -91,7 +94,12 @@ class _DecodeBuffers:
         b = self.batch
         self.live = b - 1 if b > 1 else 1  # the last row pads the batch (no new token, no keys) when B > 1
         lens = self._ints(1, self.longest + 1, b)
-        lens[0] = self.longest if round_index % 2 else max(1, self.longest // 7)  # long and short rounds
+        # A row drops tiles only past its recent window (contract version 4): the row that decides in every round
+        # (row 0 in short rounds, row 1 in long ones, where row 0 runs dense) reaches past it.
+        reach = min(self.longest, 3 * TILE_K + RECENT_WINDOW)
+        lens[0] = self.longest if round_index % 2 else max(reach, self.longest // 7)  # long and short rounds
+        if round_index % 2 and self.live > 1:
+            lens[1] = max(lens[1], reach)
         lens[self.live:] = [0] * (b - self.live)
         pages = torch.randperm(self.num_blocks - 1, generator=self.gen) + 1  # block 0 is the null block
         table = torch.zeros(b, self.width, dtype=torch.int32)
@@ -101,6 +109,9 @@ class _DecodeBuffers:
             table[row, :need] = pages[used:used + need].to(torch.int32)
             used += need
         self.block_table.copy_(table)
+        for row, n in enumerate(lens):
+            if n:
+                self.k[int(table[row, 0]), 0] = 8.0 * self.anchor
         self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q_lens = [1] * self.live + [0] * (b - self.live)
         self.cu_q.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))
@@ -109,10 +120,10 @@ class _DecodeBuffers:
         lam = torch.rand(b, generator=self.gen) * 0.65 + 0.3
         c = (lam.log() + torch.tensor([math.log(max(n, 1)) for n in lens])).to(torch.float32)
         log_sf = torch.stack([c, c], dim=1)
-        if round_index % 2 and b > 1:
+        if round_index % 2 and self.live > 1:
             log_sf[0] = -math.inf
         self.log_sf.copy_(log_sf[:, None, :])
-        self.q.copy_(self._randn(tuple(self.q.shape)))
+        self.q.copy_(self._randn(tuple(self.q.shape)) + 4.0 * self.anchor)
         if self.sinks is not None:  # around the scores' maxima: they change outputs and decisions
             n = self.sinks.shape[0]
             self.sinks.copy_(torch.rand(n, generator=self.gen, dtype=torch.float32) * 4.0 - 1.0)
