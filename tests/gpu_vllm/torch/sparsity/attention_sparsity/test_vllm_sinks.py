@@ -42,9 +42,11 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug 
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import compat  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.impls import kernel_sinks, layer_state  # noqa: E402
 
-PAGE, NB, D, HQ = 16, 64, 32, 4
-SF = 30.0  # λ_row = 30 / n: rows past 30 keys may drop tiles
-SINKS = (5.0, -1.0, 2.5, 0.0)  # head 0 well above these scores: its rows drop every tile the sink outweighs
+PAGE, NB, D, HQ = 16, 128, 32, 4
+SF = 100.0  # λ_row = 100 / n: rows past 100 keys may drop tiles (past position 255: tiles before the recent window)
+# Heads 0 and 1 (one GQA group: decode rows decide together) well above these N(0, 1) scores: their rows drop the
+# tiles the sinks outweigh; heads 2 and 3 (sinks within the scores) keep them. Contract v4.
+SINKS = (6.0, 5.0, 2.5, 0.0)
 BACKENDS = ("flashinfer", "flash_attn") + (("cpu_attn",) if LEGACY_CPU_CACHE_SHAPE is None else ())
 
 
@@ -115,7 +117,8 @@ def test_sink_layer_serves_sparse_with_its_sinks(backend, kernel, sink_layer):
     state = layer_state(layer)
     assert state.sinks.dtype == torch.float32 and state.sinks.is_contiguous()
     assert state.sinks.data_ptr() == layer.impl.sinks.data_ptr(), "a float32 parameter is used as it is (no copy)"
-    batch, plan, out = _step(layer, [5, 1, 70], [120, 200, 70], zlib.crc32(f"sinks-{backend}".encode()))
+    # a prompt chunk from 384 (a whole 64-row block), a decode row, a short prompt
+    batch, plan, out = _step(layer, [64, 1, 70], [448, 500, 70], zlib.crc32(f"sinks-{backend}".encode()))
 
     expected, counts = _public(batch, plan, sinks, log_scale_factors=plan.log_scale_factors, return_skip_counts=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
@@ -125,7 +128,9 @@ def test_sink_layer_serves_sparse_with_its_sinks(backend, kernel, sink_layer):
     dec = torch.tensor([ql == 1 for ql in batch.q_lens])
     assert stats["decode"] == {"visited": int(counts[dec, 0, 0].sum()), "skipped": int(counts[dec, 0, 1].sum())}
     assert stats["prefill"] == {"visited": int(counts[~dec, 0, 0].sum()), "skipped": int(counts[~dec, 0, 1].sum())}
-    assert stats["decode"]["skipped"] + stats["prefill"]["skipped"] > 0
+    assert stats["decode"]["skipped"] > 0 and stats["prefill"]["skipped"] > 0
+    _, no_sink_counts = _public(batch, plan, None, log_scale_factors=plan.log_scale_factors, return_skip_counts=True)
+    assert int(no_sink_counts[..., 1].sum()) < stats["decode"]["skipped"] + stats["prefill"]["skipped"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -136,7 +141,7 @@ def test_sink_layer_calibrates_with_its_sinks(backend, sink_layer):
     sinks = torch.tensor(SINKS)
     layer = sink_layer(backend, sinks.clone())
     plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=trials, backend="torch")
-    batch, plan, out = _step(layer, [1, 50, 1], [200, 50, 129], zlib.crc32(f"calib-sinks-{backend}".encode()))
+    batch, plan, out = _step(layer, [1, 64, 1], [500, 448, 300], zlib.crc32(f"calib-sinks-{backend}".encode()))
     b = len(batch.q_lens)
     log_sf = torch.tensor(trials).log()[None, :, None].expand(b, -1, 2).contiguous()
     law = dict(log_scale_factors=log_sf, length_exponents=torch.ones(b, 2))
