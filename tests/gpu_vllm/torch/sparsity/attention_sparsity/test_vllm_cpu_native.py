@@ -52,17 +52,29 @@ def _at_slots(view, slots, page):
     return view[blocks, offsets]
 
 
-def _batch(page, dim, dtype, heads=4, kv_heads=2, nb=16):
+def _batch(page, dim, dtype, heads=4, kv_heads=2, nb=16, long=False):
+    """Three sequences (a prompt chunk, two decode rows) on 4 pages each; `long`: past position 255 on 8 pages each
+    (contract v4 drops only tiles before a row's 128 most recent keys; the chunk starts at 384, a multiple of 64),
+    with a first key tile every query finds strong (k[:64, :, 0] += 10, q[..., 0] = |q[..., 0]| + 1) so whole
+    prompt blocks and GQA groups drop tiles."""
     gen = torch.Generator().manual_seed(page * 1000 + dim)
-    q_lens, kv_lens = [5, 1, 1], [5 + 2 * page, 2 * page + 3, 40]
-    bt = torch.randperm(nb, generator=gen)[: 3 * 4].view(3, 4).to(torch.int32)
+    q_lens, kv_lens = ([64, 1, 1], [448, 500, 300]) if long else ([5, 1, 1], [5 + 2 * page, 2 * page + 3, 40])
+    pages = max(-(-kl // page) for kl in kv_lens) if long else 4
+    nb = max(nb, 3 * pages)
+    bt = torch.randperm(nb, generator=gen)[: 3 * pages].view(3, pages).to(torch.int32)
     slots, ks, vs = [], [], []
     for b, kl in enumerate(kv_lens):
         pos = torch.arange(kl)
         slots.append(bt[b, pos // page].long() * page + pos % page)
-        ks.append(torch.randn(kl, kv_heads, dim, generator=gen).to(dtype))
+        k = torch.randn(kl, kv_heads, dim, generator=gen)
+        if long:
+            k[:64, :, 0] += 10.0
+        ks.append(k.to(dtype))
         vs.append(torch.randn(kl, kv_heads, dim, generator=gen).to(dtype))
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    if long:
+        q[..., 0] = q[..., 0].abs() + 1.0
+    q = q.to(dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return types.SimpleNamespace(
         q_lens=q_lens,
@@ -275,10 +287,10 @@ def _bf16_sparse_layer(monkeypatch, *, amx_probe: bool, prefix: str, settings=No
     monkeypatch.setattr(cfg.model_config, "dtype", torch.bfloat16)
     layer = new_layer(cfg, "cpu_attn", num_heads=4, num_kv_heads=2, head_size=dim, prefix=prefix)
     if settings is None:
-        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[0.5, 4.0, 64.0])
+        plug.install_sparse_attention([layer], None, mode="calibrate", calibration_scale_factors=[4.0, 64.0, 250.0])
     else:
         plug.install_sparse_attention([layer], settings)
-    b = _batch(page, dim, torch.bfloat16)
+    b = _batch(page, dim, torch.bfloat16, long=True)
     step = types.SimpleNamespace(
         q_lens=b.q_lens, kv_lens=b.kv_lens, query_start_loc=b.qsl, seq_lens=b.seq_lens, block_table=b.block_table,
         slot_mapping=b.slots, num_tokens=int(b.qsl[-1]),
@@ -308,7 +320,7 @@ def test_sparse_layer_on_vllms_amx_layout_equals_vec_layout(monkeypatch, mode):
         pytest.skip("this vLLM's CPU attention chooses no ISA")
     settings = None
     if mode == "serve":
-        law = PhaseCalibration(a=8.0, b=0.0, target_sparsity=0.5)
+        law = PhaseCalibration(a=250.0, b=0.0, target_sparsity=0.5)  # λ = 250 / n
         settings = SparseAttentionSettings(prefill=law, decode=law, disabled_layers=())
     results = {}
     for probe in (True, False):
@@ -320,6 +332,8 @@ def test_sparse_layer_on_vllms_amx_layout_equals_vec_layout(monkeypatch, mode):
     assert isa_vec == "vec" and not torch.isnan(out_amx).any()
     assert torch.equal(out_amx, out_vec)
     assert rec_amx == rec_vec
-    skipped = [t[1] for seq in rec_amx for t in seq] if mode == "calibrate" else [
-        ph["skipped"] for layer in rec_amx for ph in layer.values()]
-    assert sum(skipped) > 0, "the step must skip tiles"
+    if mode == "calibrate":  # sequence 0 is the prompt chunk, 1 and 2 decode rows
+        skipped = {"prefill": sum(t[1] for t in rec_amx[0]), "decode": sum(t[1] for seq in rec_amx[1:] for t in seq)}
+    else:
+        skipped = {phase: sum(layer[phase]["skipped"] for layer in rec_amx) for phase in ("prefill", "decode")}
+    assert skipped["prefill"] > 0 and skipped["decode"] > 0, f"the step must skip tiles in both phases: {rec_amx}"
