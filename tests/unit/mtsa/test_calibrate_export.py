@@ -12,11 +12,11 @@ from mtsa_models import make_byte_tokenizer, make_tiny_llama, random_ids
 
 import modelopt_ext.torch.sparsity.attention_sparsity as mtsa
 from modelopt_ext.torch.sparsity.attention_sparsity.calibration.calibrate import run_sample
-from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import LENGTH_EXPONENT_RANGE
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
     load_sparse_attention_config,
     parse_sparse_attention_config,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.constants import LENGTH_EXPONENT_RANGE
 
 TARGETS = {"prefill": 0.3, "decode": 0.4}
 CALIB_CFG = {
