@@ -66,6 +66,7 @@ ROTATE_BYTES = 96 * 2**20  # cache copies so that a round's working set exceeds 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 REAL_INPUTS = None  # the captured attention the kernel shapes are tiled from (benchmarks/attention_inputs.py)
 PACKED_TARGET_ROWS, TARGET_ROWS = 512, 192  # (row, head) pairs per work item of the compiled kernel (csrc/common.h)
+DECISION_ROWS = 64  # an item's rows come in whole decision blocks (contract version 4; csrc/skip_softmax_cpu.cpp)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,17 +234,17 @@ class KernelCase:
                        out=self.out_ours, **plan)  # fmt: skip
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
-    def baseline(self, op, lam=None):
+    def baseline(self, op, lam=None, counts=False):
         """The baseline kernel (`baseline_kernel`) on the same planned arguments and the cache layout it reads,
         launched as `ours` is (through `launch_cpu`; called directly it skipped that launch's few microseconds, and a
-        build timed against itself read old / new 0.89-0.98 on sub-millisecond decodes)."""
+        build timed against itself read old / new 0.89-0.98 on sub-millisecond decodes): out, or (out, counts)."""
         from modelopt_ext.torch.kernels.sparsity.attention.cpu_kernel import launch_cpu
 
         k, v = self.baseline_views[self._next()]
-        plan = self._planned(lam, None, False)
-        launch_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens, softmax_scale=self.scale,
-                   out=self.out_ours, op=op, **plan)  # fmt: skip
-        return self.out_ours
+        plan = self._planned(lam, None, counts)
+        c = launch_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens, softmax_scale=self.scale,
+                       out=self.out_ours, op=op, **plan)  # fmt: skip
+        return (self.out_ours, c) if counts else self.out_ours
 
     def ours_api(self, lam=None):
         """The same through the public entry point (argument checks and normalisation in Python every call)."""
@@ -312,14 +313,21 @@ def find_lambdas(case: KernelCase, targets) -> dict[float, tuple[float, float]]:
     return found
 
 
+def item_rows(dtype: str) -> int:
+    """Query rows per prefill work item of the compiled kernel: about its target of (row, head) pairs (192 on the
+    vector path, 512 packed bf16) over the KV head's GQA group, in whole decision blocks of 64 rows."""
+    target = (PACKED_TARGET_ROWS if dtype == "bf16" else TARGET_ROWS) // (HQ // HKV)
+    return max(1, (target + DECISION_ROWS // 2) // DECISION_ROWS) * DECISION_ROWS
+
+
 def item_v_sparsity(case: KernelCase, lam: float, dtype: str) -> float:
     """Prefill: the share of (work item, tile) pairs whose V no (row, head) of the item needs at λ. A work item of
-    the compiled kernel holds `rows_per_item` query rows of a KV head's whole GQA group (192 (row, head) pairs on the
-    vector path, 512 packed bf16); it skips exp and P·V per row, the V load only for such tiles."""
+    the compiled kernel holds `item_rows` query rows of a KV head's whole GQA group, so whole decision units (prompt
+    blocks of 64 rows of each head); it skips exp and P·V per unit, the V load only for the tiles every unit of the
+    item drops (version 4: the largest of the item's window-protected gaps below ln λ)."""
     import coherence
 
-    group = HQ // HKV
-    rows = max(1, (PACKED_TARGET_ROWS if dtype == "bf16" else TARGET_ROWS) // group)
+    rows = item_rows(dtype)
     q, k = case.logical[0]
     return coherence.ProgramShare(q, k, case.scale, "prefill", rows, group_heads=True, rows=False).share(lam)
 
@@ -338,9 +346,11 @@ def kv_tile_sparsity(case: KernelCase, lam: float) -> float:
     return dropped / tiles
 
 
-def time_interleaved(fns: dict, rounds: int, min_seconds: float, stat=statistics.median):
+def time_interleaved(fns: dict, rounds: int, min_seconds: float, stat=statistics.median, clock=time.perf_counter):
     """Seconds per variant (median of rounds by default; stat=None: every round's time); every round runs each
-    variant once, the order rotating between rounds, so load from other processes hits every variant alike."""
+    variant once, the order rotating between rounds, so load from other processes hits every variant alike.
+    `clock=time.thread_time` times the calling thread's CPU seconds instead of wall time: with one intra-op thread
+    (the ops then run on the calling thread) time taken by other processes on a shared machine does not count."""
     names = list(fns)
     for n in names:  # warm-up
         fns[n]()
@@ -350,9 +360,9 @@ def time_interleaved(fns: dict, rounds: int, min_seconds: float, stat=statistics
     while r < rounds or (time.perf_counter() - start < min_seconds and r < 50 * rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
-            t = time.perf_counter()
+            t = clock()
             fns[n]()
-            times[n].append(time.perf_counter() - t)
+            times[n].append(clock() - t)
         r += 1
     return times if stat is None else {n: stat(ts) for n, ts in times.items()}
 
@@ -418,6 +428,9 @@ def run_kernel(args) -> list[dict]:
                    if phase == "decode"}  # fmt: skip
         if phase == "prefill":  # V tiles a whole work item (its rows of one GQA group) drops
             kv_skip = {t: dict(item_v_skip=item_v_sparsity(case, lam, args.dtype)) for t, (lam, _) in lams.items()}
+        # the baseline's own realized sparsity at our λ (a baseline of another contract version decides otherwise)
+        base_realized = {} if base_op is None else {
+            f"s{t}": sparsity(case.baseline(base_op, lam=lam, counts=True)[1])[0] for t, (lam, _) in lams.items()}
         for n_threads in threads:
             case.set_threads(n_threads)
             fns = {"native": case.native, "dense": case.ours, "lambda_off": lambda c=case: c.ours(lam=TINY_LAMBDA)}
@@ -425,11 +438,14 @@ def run_kernel(args) -> list[dict]:
                 fns[f"s{tgt}"] = lambda lam=lam, c=case: c.ours(lam=lam)
             if base_op is not None:  # the same variants on the baseline revision's kernel, interleaved
                 fns["base_dense"] = lambda c=case: c.baseline(base_op)
+                fns["base_lambda_off"] = lambda c=case: c.baseline(base_op, lam=TINY_LAMBDA)
                 for tgt, (lam, _) in lams.items():
                     fns[f"base_s{tgt}"] = lambda lam=lam, c=case: c.baseline(base_op, lam=lam)
             per_call = case.bytes_per_call()
             rounds = args.rounds if phase == "prefill" else max(args.rounds, 20)
-            runs = time_interleaved(fns, rounds, args.min_seconds, stat=None)
+            thread_clock = args.clock == "thread" and n_threads == 1  # CPU time only when the ops run on this thread
+            runs = time_interleaved(fns, rounds, args.min_seconds, stat=None,
+                                    clock=time.thread_time if thread_clock else time.perf_counter)  # fmt: skip
             med = {n: statistics.median(ts) for n, ts in runs.items()}
             points = [(0.0, med["dense"])] + [(lams[t][1], med[f"s{t}"]) for t in TARGETS]
             a, b = profile_fit(points)
@@ -443,9 +459,11 @@ def run_kernel(args) -> list[dict]:
                           for t in TARGETS},
                 profile=dict(fixed_s=a, skippable_s=b, skippable_fraction=b / (a + b) if a + b > 0 else 0.0),
                 min_s={n: min(ts) for n, ts in runs.items()}, rounds=len(runs["native"]),
+                clock="thread" if thread_clock else "wall",
             )  # fmt: skip
             if base_op is not None:
                 rec["baseline"] = dict(rev=args.baseline_rev, isa=case.baseline_isa, dense_s=med["base_dense"],
+                                       lambda_off_s=med["base_lambda_off"], realized=base_realized,
                                        variants={f"s{t}": med[f"base_s{t}"] for t in TARGETS})  # fmt: skip
             records.append(rec)
             print(format_kernel_row(rec), flush=True)
@@ -463,11 +481,14 @@ def format_kernel_row(r: dict) -> str:
         kv = f" (V tiles {v['kv_tile_skip']:.2f})" if "kv_tile_skip" in v else ""
         parts.append(f"s={v['realized']:.2f}{kv} {nat / v['seconds']:.2f}x")
     parts.append(f"skippable {100 * r['profile']['skippable_fraction']:.0f}%")
-    if "baseline" in r:  # new over old kernel (>1: faster now)
+    if "baseline" in r:  # new over old kernel (>1: faster now): dense[/λ-off]/s≈0.5/s≈0.7 (old s at the same λ)
         base = r["baseline"]
-        news = [r["dense_s"]] + [r["variants"][k]["seconds"] for k in base["variants"]]
-        olds = [base["dense_s"]] + list(base["variants"].values())
-        parts.append("vs " + base["rev"][:10] + " " + "/".join(f"{o / n:.2f}" for o, n in zip(olds, news, strict=True)))
+        off = ["lambda_off_s"] if "lambda_off_s" in base else []
+        news = [r["dense_s"]] + [r[k] for k in off] + [r["variants"][k]["seconds"] for k in base["variants"]]
+        olds = [base["dense_s"]] + [base[k] for k in off] + list(base["variants"].values())
+        realized = "/".join(f"{x:.2f}" for x in base.get("realized", {}).values())
+        parts.append("vs " + base["rev"][:10] + " " + "/".join(f"{o / n:.2f}" for o, n in zip(olds, news, strict=True))
+                     + (f" (old s={realized})" if realized else ""))
     return " | ".join(parts)
 
 
@@ -681,7 +702,8 @@ def kernel_table(records: list[dict]) -> str:
             "group drops, and its bound 2/(2−s)) | skippable share of our time |")  # fmt: skip
     base = next((r["baseline"]["rev"] for r in records if "baseline" in r), None)
     if base:
-        head += f" old kernel ({base[:10]}) / new, dense / s≈0.5 / s≈0.7 |"
+        head += (f" old kernel ({base[:10]}) / new, dense / λ off / s≈0.5 / s≈0.7 (the old kernel's realized s at the"
+                 " same λ) |")  # fmt: skip
     lines = [head, "|" + "---|" * (10 if base else 9)]
     for r in records:
         nat = r["native_s"]
@@ -696,8 +718,11 @@ def kernel_table(records: list[dict]) -> str:
         )
         if base and "baseline" in r:
             b = r["baseline"]
-            lines[-1] += (f" {b['dense_s'] / r['dense_s']:.2f} / {b['variants']['s0.5'] / v5['seconds']:.2f} / "
-                          f"{b['variants']['s0.7'] / v7['seconds']:.2f} |")  # fmt: skip
+            off = f"{b['lambda_off_s'] / r['lambda_off_s']:.2f}" if "lambda_off_s" in b else "–"
+            old_s = {k: f" ({x:.2f})" for k, x in b.get("realized", {}).items()}
+            lines[-1] += (f" {b['dense_s'] / r['dense_s']:.2f} / {off} / {b['variants']['s0.5'] / v5['seconds']:.2f}"
+                          f"{old_s.get('s0.5', '')} / {b['variants']['s0.7'] / v7['seconds']:.2f}"
+                          f"{old_s.get('s0.7', '')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -794,6 +819,9 @@ def main(argv=None) -> int:
                    "on, whose op takes today's arguments")
     k.add_argument("--baseline-isa", default=None, help="the CPU cache layout the baseline kernel reads (default: "
                    "vLLM's choice, as ours; 'vec' for revisions before 982d7ca on AMX CPUs, which served bf16 on it)")
+    k.add_argument("--clock", choices=("wall", "thread"), default="wall", help="'thread': time one-thread rows in the "
+                   "calling thread's CPU seconds (other processes on a shared machine do not count; rows with more "
+                   "threads stay on wall time)")
     k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
     e = sub.add_parser("engine", help="engine level: SmolLM2 on vLLM's CPU engine, sparse vs dense native")
     e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
