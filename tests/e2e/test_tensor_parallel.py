@@ -54,7 +54,11 @@ def test_tensor_parallel_serving_from_the_result(tp_calibrated, tmp_path):
                                              "temperature": 0})
         ranks = http_json(base + "/collective_rpc", {"method": "sparse_attn_status"})["results"]
     assert len(ranks) == TP and all(r["sparse_layers"] == NUM_LAYERS for r in ranks)
-    # rank 0 holds 6 real heads; rank 1 holds 3 real and the 3 zero heads, which never drop a tile
+    # rank 0 holds 6 real heads (2 GQA groups); rank 1 holds 3 real and the 3 zero heads, whose group never drops a
+    # tile. Compared on decode: under contract version 4 the README's short calibration (prompts up to 1k) fits a
+    # prefill law that keeps this prompt's prefill dense at target 0.5 (it reaches the target only on longer prompts:
+    # every row keeps its 128 most recent keys), while its decode rows drop tiles.
     for rank in ranks:
-        assert rank["realized"]["prefill"]["skipped"] > 0, rank["realized"]
-    assert ranks[0]["realized"]["prefill"]["sparsity"] > ranks[1]["realized"]["prefill"]["sparsity"]
+        realized = rank["realized"]
+        assert realized["prefill"]["visited"] > 0 and realized["decode"]["skipped"] > 0, realized
+    assert ranks[0]["realized"]["decode"]["sparsity"] > ranks[1]["realized"]["decode"]["sparsity"], ranks
