@@ -33,7 +33,14 @@ def pp_calibrated(smollm2_checkpoint, tmp_path_factory):
     llama = next(m for m in tiny_models.models(VOCAB) if m.name == "Llama 3")
     llama = dataclasses.replace(llama, kwargs={**llama.kwargs, "num_hidden_layers": NUM_LAYERS}, layers=NUM_LAYERS)
     ckpt = tiny_models.build(llama, smollm2_checkpoint, work / "ckpt")
-    log, records = calibrate_with_readme_command(ckpt, work, "--pipeline_parallel_size", str(PP))
+    # The README's CPU-engine calibration with every prompt 1k tokens long (one length: ModelOpt's law, as the model
+    # table fits these random models; over the README's 128..1024 the fitted length exponent is ill-conditioned
+    # here, R² < 0 in decode, and its law keeps every prompt dense at 0.5), at targets inside what 1k prompts of this
+    # model reach under contract version 4 (measured: prefill 0.03-0.16, decode 0.11-0.54; at decode 0.5 the law keeps
+    # prompts up to 2k dense)
+    log, records = calibrate_with_readme_command(ckpt, work, "--pipeline_parallel_size", str(PP),
+                                                 "--calib_min_seqlen", "1024",
+                                                 "--target_sparse_ratio", "prefill=0.1,decode=0.3")
     return ckpt, records, log
 
 
