@@ -358,9 +358,10 @@ class _LogLaw:
     pred: np.ndarray
 
 
-def _regress_log_law(x_s, y, x_len, *, with_lengths: bool, on_levels: bool) -> _LogLaw:
-    """Least squares of `y = log(sf)` on sparsity, plus the length term (and, on level crossings, its sparsity
-    interaction) when the points span lengths; the exponent is clipped to the schema's range."""
+def _regress_log_law(x_s, y, x_len, *, with_lengths: bool, varying: bool) -> _LogLaw:
+    """Least squares of `y = log(sf)` on sparsity, plus the length term (and, with `varying`, its sparsity
+    interaction) when the points span lengths. An exponent outside the schema's range is fixed at the bound it
+    crossed and the rest refitted; an exponent that varies with sparsity is clipped where it leaves the range."""
     if not with_lengths:
         from scipy import stats
 
@@ -370,26 +371,56 @@ def _regress_log_law(x_s, y, x_len, *, with_lengths: bool, on_levels: bool) -> _
     n_ref = float(np.exp(np.mean(np.log(x_len))))
     log_len = np.log(x_len / n_ref)
     columns = [np.ones_like(x_s), x_s, log_len]
-    # A sparsity-dependent exponent only on level crossings (which already span >= MIN_DISTINCT_TRIALS levels),
-    # whose sparsity is exact: with the measured sparsity as regressor its scatter would leak into the
-    # interaction term.
-    if on_levels:
+    if varying:
         columns.append((x_s - LENGTH_EXPONENT_PIVOT) * log_len)
     coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), y, rcond=None)
     intercept, slope, delta = (float(v) for v in coef[:3])
     gamma = float(np.clip(1.0 - delta, MIN_LENGTH_EXPONENT, MAX_LENGTH_EXPONENT))
-    gamma_slope = -float(coef[3]) if on_levels else 0.0
+    gamma_slope = -float(coef[3]) if varying else 0.0
+    if gamma != 1.0 - delta:  # (a, b) of the clipped exponent, not of the unclipped one
+        coef, *_ = np.linalg.lstsq(np.stack(columns[:2], axis=1), y - (1.0 - gamma) * log_len, rcond=None)
+        intercept, slope, gamma_slope = float(coef[0]), float(coef[1]), 0.0
     gamma_at = np.clip(gamma + gamma_slope * (x_s - LENGTH_EXPONENT_PIVOT), MIN_LENGTH_EXPONENT,
                        MAX_LENGTH_EXPONENT)  # fmt: skip
     return _LogLaw(intercept, slope, gamma, gamma_slope, n_ref, intercept + slope * x_s + (1.0 - gamma_at) * log_len)
 
 
+def _r2(law: _LogLaw, y: np.ndarray) -> float:
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - law.pred) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+
+
+def _best_law(x_s, y, x_len, *, with_lengths: bool, on_levels: bool, label: str) -> tuple[_LogLaw, list[str]]:
+    """The law to serve, with notes: of the length law with an exponent varying with sparsity (level crossings
+    only, whose sparsity is exact: with the measured sparsity as regressor its scatter would leak into the
+    interaction term), the one with a constant exponent, and ModelOpt's 1/n law (γ = 1), the one with the best R².
+
+    Each law has the freedom of the next, so a simpler one only wins where the exponent hit the schema's range:
+    measured on a tiny Llama's decode, the clipped varying law had R² −1.7 and kept every prompt below 10k tokens
+    dense.
+    """
+    candidates = [_regress_log_law(x_s, y, x_len, with_lengths=with_lengths, varying=with_lengths and on_levels)]
+    if with_lengths:
+        if on_levels:
+            candidates.append(_regress_log_law(x_s, y, x_len, with_lengths=True, varying=False))
+        candidates.append(_regress_log_law(x_s, y, x_len, with_lengths=False, varying=False))
+    r2s = [_r2(law, y) for law in candidates]
+    best = int(np.argmax(r2s))  # the first of equals: the freest law
+    if best == 0:
+        return candidates[0], []
+    chosen = candidates[best]
+    chosen_is = "ModelOpt's 1/n law (γ = 1)" if chosen.reference_length is None else f"γ = {chosen.gamma:.2f}"
+    note = (f"the length law's exponent reached its range {MIN_LENGTH_EXPONENT:g}..{MAX_LENGTH_EXPONENT:g} "
+            f"(R² {r2s[0]:.3f}); serving {chosen_is}, R² {r2s[best]:.3f}")  # fmt: skip
+    logger.warning("%s: %s. Calibrating on a wider spread of lengths (--calib_min_seqlen, --calib_max_seqlen) "
+                   "measures the length exponent better", label, note)  # fmt: skip
+    return chosen, [note]
+
+
 def _checked_law(law: _LogLaw, y: np.ndarray, info: _Informative, label: str) -> tuple[float, float, float]:
     """(a, b, R² in log space), refusing a law that is not finite or whose sparsity does not grow with λ."""
     a, b = float(math.exp(law.intercept)) if math.isfinite(law.intercept) else math.nan, law.slope
-    ss_res = float(np.sum((y - law.pred) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    r2 = _r2(law, y)
     if not (math.isfinite(a) and math.isfinite(b) and a > 0):
         raise CalibrationFitError(
             f"{label}: the fit is not finite (a={a}, b={b}); {info.hint}. Fix: {'; '.join(info.fixes)}"
@@ -426,9 +457,8 @@ def fit_phase(
     n, lengths = int(info.s.size), info.lengths
     with_lengths = length_law and bool(np.all(lengths > 0)) and lengths.max() >= MIN_LENGTH_SPAN * lengths.min()
     x_s, y, x_len, on_levels = _regression_data(info, length_law, min_points)
-    law = _regress_log_law(x_s, y, x_len, with_lengths=with_lengths, on_levels=on_levels)
+    law, notes = _best_law(x_s, y, x_len, with_lengths=with_lengths, on_levels=on_levels, label=label)
     a, b, r2 = _checked_law(law, y, info, label)
-    notes = []
     if r2 < 0.8:
         notes.append(f"low fit quality R²={r2:.3f} (log space)")
         logger.warning("%s: low fit quality R²=%.3f in log space over %d points", label, r2, n)
