@@ -24,6 +24,10 @@ scores 1 only when **every** expected value is present and **no** distractor val
 number of the context does not pass) -- all-or-nothing, also for the multi-answer tasks; `item_fraction` gives the
 per-item fraction (expected values present / expected values, 0 when a distractor is present) for the JSON.
 
+Answer prefix: the assistant's reply is started for the model (as RULER does); for the needle tasks it repeats the
+needle's own words up to the value (``The special magic number for K is:``), so a model that can copy from far back
+in its context can answer.
+
 Seeds: every prompt comes from ``random.Random(f"{seed}:{task}:{length}:{index}")`` (deterministic across runs,
 machines and ``PYTHONHASHSEED``). `TUNING_SEED` is the seed for prompts anything may be tuned on (prompt wording,
 max_tokens, targets); `REPORT_SEED` is the fixed default of reported numbers. They differ, so no reported prompt
@@ -219,7 +223,10 @@ def _spec(task: str, rng: random.Random, units: Sequence[str]) -> _Spec:
                         "Answer with the number only.")  # fmt: skip
             answers = (values[ask],)
             distractors = tuple(v for i, v in enumerate(values) if i != ask)
-            prefix = f"The special magic number for {keys[ask]} mentioned in the text above is:"
+            # The reply starts with the needle's own words (not RULER's "... mentioned in the provided text is"):
+            # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k against 62 % and
+            # 12 % with RULER's wording (docs/fidelity.md, "Long-context tasks").
+            prefix = f"The special magic number for {keys[ask]} is:"
         pairs = list(zip(depths, needles, strict=True))
         preface = "Some special magic numbers are hidden in the following text. Memorize them."
 

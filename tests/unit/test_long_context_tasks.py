@@ -91,6 +91,9 @@ def test_answers_sit_where_intended(task, units):
             rest = "\n".join(line for line in lines if line not in p.needles)
             assert re.search(rf"\b{re.escape(answer)}\b", rest) is None
         assert not any(d in p.answers for d in p.distractors)
+        if task in ("niah_single", "niah_multikey"):  # the reply starts with the asked needle's words
+            asked = [n for n in p.needles if p.answers[0] in n]
+            assert len(asked) == 1 and asked[0] == f"{p.answer_prefix} {p.answers[0]}."
         if task == "variable_tracking":
             assert positions == sorted(positions)  # assignments come in chain order
             value = p.needles[0].rpartition("= ")[2]
