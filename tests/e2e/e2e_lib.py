@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import free_port, sparse_metrics  # noqa: F401
@@ -129,6 +130,50 @@ def wait_for_log(proc: subprocess.Popen, log: Path, needle: str, timeout: float)
         time.sleep(0.5)
 
 
+@dataclass
+class ServerProcess:
+    """A started OpenAI server: its base URL, its Popen, and the processes it had started once healthy (filled in
+    again at the stop, so a test can ask which process did what)."""
+
+    base: str
+    popen: subprocess.Popen
+    procs: list = field(default_factory=list)
+
+
+@contextmanager
+def server_process(cmd: list[str], port: int, log_path: Path, *, extra_env: dict | None = None,
+                   start_timeout: float = 600.0):  # fmt: skip
+    """Start `cmd` (an OpenAI server listening on 127.0.0.1:`port`) in its own session, wait until /health answers,
+    yield a `ServerProcess`; on exit SIGTERM it by PID and check that every process it started has ended."""
+    with log_path.open("w") as log:
+        popen = subprocess.Popen(cmd, env=env(**(extra_env or {})), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    server = ServerProcess(f"http://127.0.0.1:{port}", popen)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            assert popen.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(server.base + "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not become healthy:\n" + log_path.read_text()[-4000:]
+                time.sleep(2)
+        server.procs = descendants(popen.pid)
+        yield server
+    finally:
+        server.procs = server.procs or descendants(popen.pid)
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+            raise AssertionError("the server ignored SIGTERM for 90 s") from None
+    left = still_running(server.procs)
+    assert not left, f"processes left after the server stopped: {left}"
+
+
 @contextmanager
 def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 600.0, eager: bool = True,
             dev_mode: bool = False):
@@ -143,32 +188,6 @@ def serving(ckpt: Path, log_path: Path, *extra: str, start_timeout: float = 600.
     cmd = [sys.executable, str(SERVE), str(ckpt), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "2048", *(["--enforce-eager"] if eager else []), "--served-model-name", "smol",
            "--no-enable-prefix-caching", *extra]
-    with log_path.open("w") as log:
-        extra_env = {"MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY": "1", **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
-        server = subprocess.Popen(cmd, env=env(**extra_env), stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    procs = []
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not become healthy:\n" + log_path.read_text()[-4000:]
-                time.sleep(2)
-        procs = descendants(server.pid)
-        yield base
-    finally:
-        procs = procs or descendants(server.pid)
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-            raise AssertionError("the server ignored SIGTERM for 90 s") from None
-    left = still_running(procs)
-    assert not left, f"processes left after the server stopped: {left}"
+    extra_env = {"MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY": "1", **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
+    with server_process(cmd, port, log_path, extra_env=extra_env, start_timeout=start_timeout) as server:
+        yield server.base

@@ -13,17 +13,13 @@ prefix (hits of 288 tokens before alignment). The engine core writes one JSON li
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
-import urllib.request
 
 import pytest
-from e2e_lib import descendants, env, free_port, http_json, still_running
+from e2e_lib import env, free_port, http_json, server_process
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
 
@@ -125,25 +121,11 @@ def test_plain_openai_server_schedules_aligned_prefill_chunks(sparse_ckpt, tmp_p
            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
            "--served-model-name", "smol", "--block-size", str(PAGE), "--max-num-batched-tokens", str(BUDGET),
            "--enable-chunked-prefill", "--enable-prefix-caching", "--kv-cache-memory-bytes", str(256 * 2**20)]
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, env=env(MODELOPT_EXT_SCHEDULER_TRACE=str(trace)), stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    base, procs = f"http://127.0.0.1:{port}", []
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not start:\n" + log_path.read_text()[-4000:]
-                time.sleep(2)
-        procs = descendants(server.pid)
+    with server_process(cmd, port, log_path, extra_env={"MODELOPT_EXT_SCHEDULER_TRACE": str(trace)}) as server:
 
         def complete(prompt: str) -> dict:
-            return http_json(base + "/v1/completions", {"model": "smol", "prompt": prompt, "max_tokens": 4,
-                                                        "temperature": 0.0, "ignore_eos": True})  # fmt: skip
+            return http_json(server.base + "/v1/completions", {"model": "smol", "prompt": prompt, "max_tokens": 4,
+                                                               "temperature": 0.0, "ignore_eos": True})  # fmt: skip
 
         first = complete(SHARED + " " + SUFFIXES[0])
         replies: dict[int, dict] = {}
@@ -156,16 +138,7 @@ def test_plain_openai_server_schedules_aligned_prefill_chunks(sparse_ckpt, tmp_p
         answers = [first] + [replies.get(k) for k in range(1, len(SUFFIXES))]
         assert all(a and a["usage"]["completion_tokens"] == 4 for a in answers), answers
         assert min(a["usage"]["prompt_tokens"] for a in answers) > 2 * BUDGET
-    finally:
-        procs = procs or descendants(server.pid)
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    assert not still_running(procs)
     steps = _steps(trace)
-    _check_trace(steps, {p.pid for p in procs})  # one of the server's child processes: vLLM's engine core
-    assert server.pid not in {s["pid"] for s in steps}, "the scheduler ran in the API server, not the engine core"
+    _check_trace(steps, {p.pid for p in server.procs})  # one of the server's child processes: vLLM's engine core
+    assert server.popen.pid not in {s["pid"] for s in steps}, "the scheduler ran in the API server, not the engine core"
     assert "aligned prefill chunks: scheduler_cls=" in log_path.read_text()
