@@ -5,8 +5,8 @@ What it does, as a user would:
 
 1. takes an HF checkpoint (`--model`); if its config.json has no `sparse_attention_config`, calibrates a linked
    copy of it (`<workdir>/<name>`) with `examples/vllm_serve/calibrate_sparse_attn.py <copy> <--calib-args>
-   --update_checkpoint_config` (by default up to 4096-token prompts, `DEFAULT_CALIB_ARGS`) and serves that copy (a copy calibrated
-   by an earlier run with the same arguments is reused);
+   --update_checkpoint_config` (by default up to 4096-token prompts, `DEFAULT_CALIB_ARGS`) and serves that copy
+   (a copy calibrated by an earlier run with the same arguments is reused);
 2. starts ONE sparse server on it (`examples/vllm_serve/vllm_serve_sparse_attn.py`, 127.0.0.1, a free port, no
    development mode, `MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY=1` so `/metrics` is exact once a reply is back, prefix
    caching off so each mode computes every prompt token);
