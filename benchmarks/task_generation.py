@@ -224,8 +224,8 @@ def _spec(task: str, rng: random.Random, units: Sequence[str]) -> _Spec:
             answers = (values[ask],)
             distractors = tuple(v for i, v in enumerate(values) if i != ask)
             # The reply starts with the needle's own words (not RULER's "... mentioned in the provided text is"):
-            # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k against 62 % and
-            # 12 % with RULER's wording (docs/fidelity.md, "Long-context tasks").
+            # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k (an earlier
+            # reported run with RULER's wording: 62 % and 12 %; docs/fidelity.md, "Long-context tasks").
             prefix = f"The special magic number for {keys[ask]} is:"
         pairs = list(zip(depths, needles, strict=True))
         preface = "Some special magic numbers are hidden in the following text. Memorize them."
