@@ -173,8 +173,13 @@ def _var_name(rng: random.Random, taken: set[str]) -> str:
             return k
 
 
+def _needle_words(key: str) -> str:
+    """A needle up to its value; the needle tasks' answer prefix too."""
+    return f"The special magic number for {key} is:"
+
+
 def _needle(key: str, value: str) -> str:
-    return f"The special magic number for {key} is: {value}."
+    return f"{_needle_words(key)} {value}."
 
 
 def _depths(rng: random.Random, k: int) -> list[float]:
@@ -226,7 +231,7 @@ def _spec(task: str, rng: random.Random, units: Sequence[str]) -> _Spec:
             # The reply starts with the needle's own words (not RULER's "... mentioned in the provided text is"):
             # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k (an earlier
             # reported run with RULER's wording: 62 % and 12 %; docs/fidelity.md, "Long-context tasks").
-            prefix = f"The special magic number for {keys[ask]} is:"
+            prefix = _needle_words(keys[ask])
         pairs = list(zip(depths, needles, strict=True))
         preface = "Some special magic numbers are hidden in the following text. Memorize them."
 
