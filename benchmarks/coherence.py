@@ -116,6 +116,25 @@ def protect_window(gaps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return gaps.masked_fill(window.unsqueeze(0) & (gaps > -math.inf), math.inf)
 
 
+def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, reference: str,
+                       window: int) -> torch.Tensor:
+    """Gaps against a larger reference max than the contract's running max: "window" also takes the max of the
+    row's recent-window tiles (kept anyway, so a kernel could score them first), "row" the row's true max over
+    every visited key (an oracle a one-pass kernel cannot have)."""
+    keys = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, gaps.shape[-1] * TILE_K - keys), value=-math.inf)
+    tile_max = padded.unflatten(-1, (gaps.shape[-1], TILE_K)).amax(-1)  # [H, R, nt]
+    if reference == "row":
+        best = tile_max.amax(-1, keepdim=True)
+    elif reference == "window":
+        recent = torch.arange(gaps.shape[-1])[None, :] >= ((positions - window + 1) // TILE_K)[:, None]
+        best = tile_max.masked_fill(~recent.unsqueeze(0), -math.inf).amax(-1, keepdim=True)
+    else:
+        raise ValueError(f"unknown reference {reference!r}: contract, window or row")
+    finite = (gaps > -math.inf) & (gaps < math.inf)
+    return torch.where(finite, torch.minimum(gaps, tile_max.to(gaps.dtype) - best.to(gaps.dtype)), gaps)
+
+
 def sequence_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, length: int | None = None,
                   softcap: float = 0.0) -> torch.Tensor:
     """`row_tile_gaps` of every row 0 .. length − 1 of a prompt (row p at position p): [Hq, length, n_tiles]."""

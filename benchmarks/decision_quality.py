@@ -14,6 +14,8 @@ against the work GPU programs can skip, for decision rules applied in every laye
 - `gqa`: the AND over the query heads that share a KV head, per row (what one decode program can act on).
 - `RULE+winW` (a quality lever of issue #56, any rule above): a row never drops a tile that holds one of its own W
   most recent keys (the diagonal tile always, with W <= 64), before the rule's AND; e.g. `gqa+win256`.
+- `RULE+winW+ref` (another lever): the row's reference max also takes the max of those window tiles (kept anyway,
+  so a kernel can score them first), `coherence.stronger_reference`; e.g. `block64+win128+ref`.
 
 For each rule and each λ of a sweep, one teacher-forced forward of the held-out text gives the perplexity, the
 row-level sparsity (the contract's count) and the share of (program, tile) pairs GPU programs of 64 and 128 rows and
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from coherence import block_stat, drops, group_stat, score_gaps, visited_mask
+from coherence import block_stat, drops, group_stat, score_gaps, stronger_reference, visited_mask
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
@@ -45,6 +47,7 @@ logger = logging.getLogger("decision_quality")
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
 RULES = ("row", "block64", "block128", "gqa")
 WINDOW = "+win"
+REFERENCE = "+ref"
 PROGRAM_ROWS = (64, 128)
 
 
@@ -55,12 +58,19 @@ PROGRAM_ROWS = (64, 128)
 
 
 def split_rule(rule: str) -> tuple[str, int]:
-    """("gqa", 256) for "gqa+win256"; (rule, 0) without a window; blockB for any B >= 1. ValueError otherwise."""
-    base, _, window = rule.partition(WINDOW)
+    """("gqa", 256) for "gqa+win256"; (rule, 0) without a window; blockB for any B >= 1; a `+ref` ending (which
+    needs a window) is `uses_window_reference`'s. ValueError otherwise."""
+    if rule.endswith(REFERENCE) and WINDOW not in rule:
+        raise ValueError(f"unknown rule {rule!r}: {REFERENCE} needs a window ({WINDOW}W{REFERENCE})")
+    base, _, window = rule.removesuffix(REFERENCE).partition(WINDOW)
     block = base.startswith("block") and base[len("block"):].isdigit() and int(base[len("block"):]) >= 1
     if not (base in ("row", "gqa") or block) or (window and (not window.isdigit() or int(window) < 1)):
         raise ValueError(f"unknown rule {rule!r}: one of {', '.join(RULES)}, optionally with {WINDOW}W (W >= 1 keys)")
     return base, int(window or 0)
+
+
+def uses_window_reference(rule: str) -> bool:
+    return rule.endswith(REFERENCE)
 
 
 def protect_window(gaps: torch.Tensor, window: int) -> torch.Tensor:
@@ -140,7 +150,10 @@ def decided_attention(recorder: Recorder, q, k, v, scale: float) -> torch.Tensor
     scores.masked_fill_(causal[None], -math.inf)
     if recorder.rule != "dense":
         padded = torch.nn.functional.pad(scores, (0, -keys % TILE_K), value=-math.inf)
-        gaps = effective_gaps(recorder.rule, score_gaps(padded, positions), recorder.group)
+        gaps = score_gaps(padded, positions)
+        if uses_window_reference(recorder.rule):
+            gaps = stronger_reference(gaps, padded, positions, "window", split_rule(recorder.rule)[1])
+        gaps = effective_gaps(recorder.rule, gaps, recorder.group)
         for name, (skipped, visited) in skipped_shares(gaps, recorder.ln_lambda, recorder.group).items():
             recorder.add(name, skipped, visited)
         key_drop = drops(gaps, recorder.ln_lambda).repeat_interleave(TILE_K, dim=-1)[..., :keys]

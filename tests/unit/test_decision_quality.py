@@ -123,3 +123,20 @@ def test_window_lever_keeps_each_rows_recent_tiles(dq):
         with pytest.raises(ValueError, match="unknown rule"):
             dq.split_rule(bad)
     assert dq.split_rule("block64+win256") == ("block64", 256)
+
+
+def test_window_reference_lever_drops_more_at_the_same_lambda(dq):
+    """`+ref`: the row's reference max also takes its window tiles' max, which only lowers gaps, so at one λ a rule
+    with it drops a superset of the rule without it; it needs a window."""
+    q, k, v = _case(4)
+    dropped = {}
+    for rule in ("block64+win128", "block64+win128+ref", "gqa+win128", "gqa+win128+ref"):
+        rec = dq.Recorder(group=2)
+        rec.rule, rec.ln_lambda = rule, math.log(0.9)  # random keys agree little: blocks need a large λ
+        dq.decided_attention(rec, q, k, v, q.shape[-1] ** -0.5)
+        dropped[rule] = rec.counts["row"][0]
+    assert 0 < dropped["block64+win128"] < dropped["block64+win128+ref"]
+    assert 0 < dropped["gqa+win128"] < dropped["gqa+win128+ref"]
+    assert dq.split_rule("gqa+win128+ref") == ("gqa", 128) and dq.uses_window_reference("gqa+win128+ref")
+    with pytest.raises(ValueError, match="needs a window"):
+        dq.split_rule("gqa+ref")
