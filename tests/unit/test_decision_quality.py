@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def dq():
-    """The benchmark module, imported as Python runs it (its folder first on sys.path: it imports coherence.py)."""
-    spec = importlib.util.spec_from_file_location("decision_quality_under_test", BENCH / "decision_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_benchmark("decision_quality", "decision_quality_under_test")
 
 
 def _case(seed: int, n: int = 2300, hq: int = 4, hkv: int = 2, d: int = 16):

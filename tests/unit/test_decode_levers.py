@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import RECENT_WINDOW, TILE_K
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def dl():
-    """The benchmark module, imported as Python runs it (its folder first on sys.path: it imports coherence.py)."""
-    spec = importlib.util.spec_from_file_location("decode_levers_under_test", BENCH / "decode_levers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_benchmark("decode_levers", "decode_levers_under_test")
 
 
 def _continuation(seed: int, keys: int = 2300, rows: int = 40, hq: int = 6, hkv: int = 2, d: int = 16):
