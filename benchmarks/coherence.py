@@ -107,13 +107,15 @@ def score_gaps(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return gap
 
 
-def protect_window(gaps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def protect_window(gaps: torch.Tensor, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Contract version 4's recent window on row-tile gaps [H, R, nt] of rows at `positions` [R]: a visited tile
     holding one of the row's RECENT_WINDOW most recent keys gets +inf (never dropped, and it keeps the tile for a
-    block or group whose statistic is the largest gap)."""
+    block or group whose statistic is the largest gap). `window`: another number of keys (a lever to measure)."""
     tiles = torch.arange(gaps.shape[-1], device=gaps.device)
-    window = tiles[None, :] >= first_droppable_window_tile(positions.to(gaps.device))[:, None]  # [R, nt]
-    return gaps.masked_fill(window.unsqueeze(0) & (gaps > -math.inf), math.inf)
+    positions = positions.to(gaps.device)
+    first = first_droppable_window_tile(positions) if window is None else (positions - window + 1) // TILE_K
+    recent = tiles[None, :] >= first[:, None]  # [R, nt]
+    return gaps.masked_fill(recent.unsqueeze(0) & (gaps > -math.inf), math.inf)
 
 
 def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, reference: str,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from coherence import group_stat, row_tile_gaps, stronger_reference
+from coherence import group_stat, protect_window, score_gaps, stronger_reference
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import RECENT_WINDOW, TILE_K
 
@@ -80,13 +80,6 @@ class Variant:
         return (self.c - self.gamma * torch.log(n) + self.offset + self.layer_offsets.get(layer, 0.0)).float()
 
 
-def protect(gaps: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
-    """+inf (kept) on the visited tiles holding one of the row's `window` most recent keys (the contract's window
-    when `window` = RECENT_WINDOW)."""
-    recent = torch.arange(gaps.shape[-1])[None, :] >= ((positions - window + 1) // TILE_K)[:, None]
-    return gaps.masked_fill(recent.unsqueeze(0) & (gaps > -math.inf), math.inf)
-
-
 def attention(variant: Variant, layer: int, q, k, v, scale: float) -> torch.Tensor:
     """Causal attention of the last R positions of one sequence (q [Hq, R, D]; k, v [Hkv, K, D]); when the call
     holds fewer rows than keys (the continuation after a cached prompt) its rows decide as decode rows."""
@@ -98,10 +91,11 @@ def attention(variant: Variant, layer: int, q, k, v, scale: float) -> torch.Tens
     scores = torch.matmul(q.to(dtype), k.repeat_interleave(group, 0).to(dtype).transpose(1, 2)) * scale
     scores.masked_fill_(torch.arange(keys)[None, :] > positions[:, None], -math.inf)
     if not variant.dense and rows < keys and variant.layer_offsets.get(layer, 0.0) > DENSE_LAYER / 2:
-        gaps = row_tile_gaps(q.transpose(0, 1), k.transpose(0, 1), scale, positions)  # [Hq, R, nt]
+        padded = torch.nn.functional.pad(scores, (0, -keys % TILE_K), value=-math.inf)
+        gaps = score_gaps(padded, positions)  # [Hq, R, nt]: the contract's per-row statistic
         if variant.reference != "contract":
-            gaps = stronger_reference(gaps, scores, positions, variant.reference, variant.window)
-        gaps = protect(gaps, positions, variant.window)
+            gaps = stronger_reference(gaps, padded, positions, variant.reference, variant.window)
+        gaps = protect_window(gaps, positions, variant.window)
         stat = group_stat(gaps, group)  # [Hkv, R, nt]: a decode program's statistic
         visited = stat > -math.inf
         drop = (stat < variant.log_lambdas(layer, positions)[None, :, None]) & visited

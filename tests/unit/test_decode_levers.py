@@ -27,6 +27,14 @@ def _continuation(seed: int, keys: int = 2300, rows: int = 40, hq: int = 6, hkv:
     return q, k, v
 
 
+def _scores(q, k, positions):
+    """Scaled, causally masked scores [Hq, R, K padded to whole tiles] of the rows at `positions`."""
+    keys = k.shape[1]
+    s = torch.matmul(q, k.repeat_interleave(q.shape[0] // k.shape[0], 0).transpose(1, 2)) * q.shape[-1] ** -0.5
+    s.masked_fill_(torch.arange(keys)[None, :] > positions[:, None], -math.inf)
+    return torch.nn.functional.pad(s, (0, -keys % TILE_K), value=-math.inf)
+
+
 def _reference(q, k, v, c: float, gamma: float):
     """The package reference on the same rows as decode rows of one request (prompt = the keys before them)."""
     hq, rows, d = q.shape
@@ -69,10 +77,10 @@ def test_levers_change_only_what_they_say(dl):
     scale = q.shape[-1] ** -0.5
     base = dl.Variant(math.log(0.6) + math.log(2048), 1.0)
     base.dense = False
-    gaps = dl.row_tile_gaps(q.transpose(0, 1), k.transpose(0, 1), scale, torch.arange(2260, 2300))
     positions = torch.arange(2260, 2300)
-    contract = dl.protect(gaps, positions, RECENT_WINDOW)
-    wide = dl.protect(gaps, positions, 512)
+    gaps = dl.score_gaps(_scores(q, k, positions), positions)
+    contract = dl.protect_window(gaps, positions, RECENT_WINDOW)
+    wide = dl.protect_window(gaps, positions, 512)
     assert torch.equal(contract == math.inf, (gaps == math.inf) | (contract == math.inf))
     assert ((wide == math.inf) >= (contract == math.inf)).all()
     assert (wide[:, :, (2299 - 511) // TILE_K:] == math.inf).all()  # the last row's 512 keys all kept
@@ -128,9 +136,8 @@ def test_stronger_references_drop_a_superset(dl):
         dropped[reference] = variant.counts()[0]
     assert 0 < dropped["contract"] < dropped["window"] <= dropped["row"]
     positions = torch.arange(2260, 2300)
-    gaps = dl.row_tile_gaps(q.transpose(0, 1), k.transpose(0, 1), scale, positions)
-    full = torch.matmul(q, k.repeat_interleave(3, 0).transpose(1, 2)) * scale
-    full.masked_fill_(torch.arange(2300)[None, :] > positions[:, None], -math.inf)
+    full = _scores(q, k, positions)
+    gaps = dl.score_gaps(full, positions)
     row = dl.stronger_reference(gaps, full, positions, "row", RECENT_WINDOW)
     assert (row <= gaps).all() and torch.equal(row == math.inf, gaps == math.inf)
     assert torch.equal(row == -math.inf, gaps == -math.inf)
