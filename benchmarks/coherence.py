@@ -111,11 +111,15 @@ def protect_window(gaps: torch.Tensor, positions: torch.Tensor, window: int | No
     """Contract version 4's recent window on row-tile gaps [H, R, nt] of rows at `positions` [R]: a visited tile
     holding one of the row's RECENT_WINDOW most recent keys gets +inf (never dropped, and it keeps the tile for a
     block or group whose statistic is the largest gap). `window`: another number of keys (a lever to measure)."""
-    tiles = torch.arange(gaps.shape[-1], device=gaps.device)
-    positions = positions.to(gaps.device)
-    first = first_droppable_window_tile(positions) if window is None else (positions - window + 1) // TILE_K
-    recent = tiles[None, :] >= first[:, None]  # [R, nt]
+    recent = recent_tiles(gaps.shape[-1], positions.to(gaps.device), window)
     return gaps.masked_fill(recent.unsqueeze(0) & (gaps > -math.inf), math.inf)
+
+
+def recent_tiles(n_tiles: int, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[R, n_tiles] bool: the tiles holding one of each row's `window` most recent keys (default RECENT_WINDOW,
+    the contract's); tiles past the row are included (the callers mask them by visit)."""
+    first = first_droppable_window_tile(positions) if window is None else (positions - window + 1) // TILE_K
+    return torch.arange(n_tiles, device=positions.device)[None, :] >= first[:, None]
 
 
 def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, reference: str,
@@ -129,10 +133,10 @@ def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torc
     if reference == "row":
         best = tile_max.amax(-1, keepdim=True)
     elif reference == "window":
-        recent = torch.arange(gaps.shape[-1])[None, :] >= ((positions - window + 1) // TILE_K)[:, None]
+        recent = recent_tiles(gaps.shape[-1], positions.to(gaps.device), window)
         best = tile_max.masked_fill(~recent.unsqueeze(0), -math.inf).amax(-1, keepdim=True)
     else:
-        raise ValueError(f"unknown reference {reference!r}: contract, window or row")
+        raise ValueError(f"unknown reference {reference!r}: window or row")
     finite = (gaps > -math.inf) & (gaps < math.inf)
     return torch.where(finite, torch.minimum(gaps, tile_max.to(gaps.dtype) - best.to(gaps.dtype)), gaps)
 

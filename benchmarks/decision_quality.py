@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from coherence import block_stat, drops, group_stat, score_gaps, stronger_reference, visited_mask
+from coherence import block_stat, drops, group_stat, protect_window, score_gaps, stronger_reference, visited_mask
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
@@ -73,21 +73,11 @@ def uses_window_reference(rule: str) -> bool:
     return rule.endswith(REFERENCE)
 
 
-def protect_window(gaps: torch.Tensor, window: int) -> torch.Tensor:
-    """Gaps [H, N, nt] with +inf (never dropped) on every visited tile holding one of row p's last `window` keys
-    (keys p - window + 1 .. p): tiles t with (t + 1) * TILE_K > p - window + 1."""
-    rows, tiles = gaps.shape[1], gaps.shape[2]
-    first_kept = (torch.arange(rows) - window + 1).clamp_min(0) // TILE_K  # [N]
-    recent = torch.arange(tiles)[None, :] >= first_kept[:, None]
-    protected = recent & visited_mask(rows, tiles)
-    return torch.where(protected.unsqueeze(0), torch.full_like(gaps, math.inf), gaps)
-
-
 def effective_gaps(rule: str, gaps: torch.Tensor, group: int) -> torch.Tensor:
     """Gaps [H, N, nt] of a prompt's rows 0..N-1 as the rule decides with them (same shape)."""
     rule, window = split_rule(rule)
     if window:
-        gaps = protect_window(gaps, window)
+        gaps = protect_window(gaps, torch.arange(gaps.shape[1]), window)  # rows 0 .. N-1
     if rule == "row":
         return gaps
     if rule == "gqa":

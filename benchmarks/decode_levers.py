@@ -30,7 +30,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 from coherence import group_stat, protect_window, score_gaps, stronger_reference
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import RECENT_WINDOW, TILE_K
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.atomic_io import write_json_atomic
 
 logger = logging.getLogger("decode_levers")
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     if args.allocate_from:
         sens = json.loads(args.allocate_from.read_text())
         offsets = allocate(sens, 1 + max(r["layer"] for r in sens["rows"]), args.allocate_base)
-        write_json(args.out / "layer_offsets.json", offsets)
+        write_json_atomic(args.out / "layer_offsets.json", offsets)
         logger.info("offsets: %s", offsets)
         return 0
     if args.config is None:
@@ -272,26 +272,29 @@ def main(argv=None) -> int:
               "dense": dense, "rows": []}  # fmt: skip
     if args.layer_offsets:
         variant.layer_offsets = {int(k): float(v) for k, v in json.loads(args.layer_offsets.read_text()).items()}
-    sweeps = [(f"layer {layer}", RECENT_WINDOW, {j: DENSE_LAYER for j in range(model.config.num_hidden_layers)
-                                                 if j != layer})
-              for layer in range(model.config.num_hidden_layers)] if args.layer_sensitivity else [  # fmt: skip
-        ("law" if w == RECENT_WINDOW else f"win{w}", w, variant.layer_offsets)
-        for w in [RECENT_WINDOW] + [int(w) for w in args.windows.split(",") if w]] + [
-        (f"ref-{ref}", RECENT_WINDOW, variant.layer_offsets) for ref in args.references.split(",") if ref]
-    for name, window, layer_offsets in sweeps:
-        variant.window, variant.layer_offsets = window, layer_offsets
-        variant.reference = name[len("ref-"):] if name.startswith("ref-") else "contract"
+    layers = model.config.num_hidden_layers
+    if args.layer_sensitivity:  # (name, window, reference, layer offsets, the one sparse layer)
+        sweeps = [(f"layer {layer}", RECENT_WINDOW, "contract", {j: DENSE_LAYER for j in range(layers) if j != layer},
+                   layer) for layer in range(layers)]  # fmt: skip
+    else:
+        windows = [int(w) for w in args.windows.split(",") if w]
+        sweeps = [("law", RECENT_WINDOW, "contract", variant.layer_offsets, None)]
+        sweeps += [(f"win{w}", w, "contract", variant.layer_offsets, None) for w in windows]
+        sweeps += [(f"ref-{ref}", RECENT_WINDOW, ref, variant.layer_offsets, None)
+                   for ref in args.references.split(",") if ref]  # fmt: skip
+    for name, window, reference, layer_offsets, layer in sweeps:
+        variant.window, variant.reference, variant.layer_offsets = window, reference, layer_offsets
         for off in offsets:
             variant.offset = off
             r = run_variant(variant, docs)
             r.update(variant=name, window=window, offset=off, ppl_vs_dense=ppl_change(r, dense),
                      nll_delta=r["nll"] - dense["nll"])  # fmt: skip
-            if args.layer_sensitivity:
-                r["layer"] = int(name.split()[1])
+            if layer is not None:
+                r["layer"] = layer
             result["rows"].append(r)
             logger.info("%s offset %+.2f: decode sparsity %.3f, ppl %+.2f %%", name, off, r["sparsity"],
                         100 * r["ppl_vs_dense"])
-        write_json(args.out / "results.json", result)
+        write_json_atomic(args.out / "results.json", result)
     if not args.layer_sensitivity:
         print(summary(result, [float(s) for s in args.shares.split(",")]))
     return 0
@@ -312,13 +315,6 @@ def summary(result: dict, shares: list[float]) -> str:
             cells.append(f"{100 * v:+.2f} % ({100 * lo:+.1f}..{100 * hi:+.1f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def write_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
