@@ -48,7 +48,12 @@ from pathlib import Path
 import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention.reference import _exclusive_running_max
-from modelopt_ext.torch.kernels.sparsity.attention.semantics import SPLIT_TOKENS, TILE_K, first_droppable_window_tile
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
+    RECENT_WINDOW,
+    SPLIT_TOKENS,
+    TILE_K,
+    first_droppable_window_tile,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = (0.5, 0.7, 0.9)
@@ -70,11 +75,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def row_tile_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, positions: torch.Tensor,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, window_reference: bool = False) -> torch.Tensor:
     """g[t] − m[t] of docs/skip_softmax.md for rows of one sequence: q [R, Hq, D] at absolute `positions` [R]
     (sorted), k [>= max position + 1, Hkv, D] the sequence's keys. Returns gaps [Hq, R, n_tiles] with n_tiles
     covering the last position: +inf for tile 0 (never dropped), -inf for tiles a row does not visit, the gap
-    otherwise. A visited row-tile is dropped at λ iff gap < ln λ (`drops`)."""
+    otherwise. A visited row-tile is dropped at λ iff gap < ln λ (`drops`). `window_reference`: version 5's
+    reference max (the row's recent-window tiles' max joins it, `stronger_reference`)."""
     rows, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -91,7 +97,11 @@ def row_tile_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, positi
         s.div_(softcap).tanh_().mul_(softcap)
     cols = torch.arange(kv_end, device=q.device)
     s.masked_fill_(cols[None, :] > positions[:, None], -math.inf)
-    return score_gaps(s.reshape(hq, rows, kv_end), positions)
+    s = s.reshape(hq, rows, kv_end)
+    gaps = score_gaps(s, positions)
+    if window_reference:  # contract version 5: the recent window's max joins the reference
+        gaps = stronger_reference(gaps, s, positions, "window", RECENT_WINDOW)
+    return gaps
 
 
 def score_gaps(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -124,7 +134,7 @@ def recent_tiles(n_tiles: int, positions: torch.Tensor, window: int | None = Non
 
 def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, reference: str,
                        window: int) -> torch.Tensor:
-    """Gaps against a larger reference max than the contract's running max: "window" also takes the max of the
+    """Gaps against a larger reference max than version 4's running max: "window" (version 5) also takes the max of the
     row's recent-window tiles (kept anyway, so a kernel could score them first), "row" the row's true max over
     every visited key (an oracle a one-pass kernel cannot have)."""
     keys = scores.shape[-1]
@@ -142,14 +152,14 @@ def stronger_reference(gaps: torch.Tensor, scores: torch.Tensor, positions: torc
 
 
 def sequence_gaps(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, length: int | None = None,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, window_reference: bool = False) -> torch.Tensor:
     """`row_tile_gaps` of every row 0 .. length − 1 of a prompt (row p at position p): [Hq, length, n_tiles]."""
     length = length or q.shape[0]
     n_tiles = -(-length // TILE_K)
     out = torch.empty(q.shape[1], length, n_tiles, dtype=_compute_dtype(q))
     for r0 in range(0, length, _ROW_CHUNK):
         r1 = min(length, r0 + _ROW_CHUNK)
-        g = row_tile_gaps(q[r0:r1], k, softmax_scale, torch.arange(r0, r1), softcap)
+        g = row_tile_gaps(q[r0:r1], k, softmax_scale, torch.arange(r0, r1), softcap, window_reference)
         out[:, r0:r1, : g.shape[-1]] = g
         out[:, r0:r1, g.shape[-1]:] = -math.inf
     return out
@@ -213,7 +223,8 @@ def prefill_program_share(q: torch.Tensor, k: torch.Tensor, softmax_scale: float
     skipped = needed_n = row_drop = row_vis = 0
     for b in chosen:
         r0, r1 = b * block_rows, min(length, (b + 1) * block_rows)
-        gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, torch.arange(r0, r1, device=q.device)).cpu()
+        gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, torch.arange(r0, r1, device=q.device),
+                             window_reference=window).cpu()
         pos = torch.arange(r0, r1)
         if window:
             gaps = protect_window(gaps, pos)
@@ -239,7 +250,7 @@ def decode_group_share(q_row: torch.Tensor, k: torch.Tensor, softmax_scale: floa
     row-tile sparsity of per-row decisions ("row")."""
     hq, hkv = q_row.shape[0], k.shape[1]
     pos = torch.tensor([k.shape[0] - 1], device=q_row.device)
-    gaps = row_tile_gaps(q_row[None], k, softmax_scale, pos).cpu()  # [Hq, 1, nt]
+    gaps = row_tile_gaps(q_row[None], k, softmax_scale, pos, window_reference=window).cpu()  # [Hq, 1, nt]
     if window:
         gaps = protect_window(gaps, pos.cpu())
     log_lam = math.log(lam)
@@ -255,8 +266,9 @@ class ProgramShare:
     is then the fraction of (program, 64-key tile) pairs the program can skip, `row(λ)` the row-tile sparsity of
     the same rows. `group_heads`: a prefill program holds the block's rows of a KV head's whole GQA group (the
     compiled CPU kernel's work item) instead of one query head. Computed on the inputs' device, kept on the CPU.
-    `window` (default: contract version 4): rows keep their recent window before the program's AND, so for 64-row
-    programs and decode `share(λ)` is what the version-4 kernels skip; `row(λ)` stays the per-row rate."""
+    `window` (default: contract version 5): rows keep their recent window before the program's AND and take its max
+    into their reference, so for 64-row programs and decode `share(λ)` is what the version-5 kernels skip;
+    `row(λ)` stays the per-row rate."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float, phase: str, block_rows: int = 64,
                  max_blocks: int = 64, group_heads: bool = False, rows: bool = True, window: bool = True):
@@ -265,7 +277,7 @@ class ProgramShare:
         stats, needs, rows, vis = [], [], [], []
         if phase == "decode":
             pos = torch.tensor([k.shape[0] - 1], device=q.device)
-            gaps = row_tile_gaps(q[-1:], k, softmax_scale, pos)
+            gaps = row_tile_gaps(q[-1:], k, softmax_scale, pos, window_reference=window)
             if window:
                 gaps = protect_window(gaps, pos)
             hq, hkv = q.shape[1], k.shape[1]
@@ -281,7 +293,7 @@ class ProgramShare:
             for b in chosen:
                 r0, r1 = b * block_rows, min(n, (b + 1) * block_rows)
                 pos = torch.arange(r0, r1, device=q.device)
-                gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, pos)
+                gaps = row_tile_gaps(q[r0:r1], k, softmax_scale, pos, window_reference=window)
                 if window:
                     gaps = protect_window(gaps, pos)
                 v = ((torch.arange(gaps.shape[-1], device=q.device) * TILE_K)[None, :] <= pos[:, None])

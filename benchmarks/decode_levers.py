@@ -65,7 +65,7 @@ class Variant:
         self.offset = 0.0
         self.layer_offsets: dict[int, float] = {}
         self.window = RECENT_WINDOW
-        self.reference = "contract"
+        self.reference = "window"  # contract version 5; "running" is version 4
         self.reset()
 
     def reset(self) -> None:
@@ -93,7 +93,7 @@ def attention(variant: Variant, layer: int, q, k, v, scale: float) -> torch.Tens
     if not variant.dense and rows < keys and variant.layer_offsets.get(layer, 0.0) > DENSE_LAYER / 2:
         padded = torch.nn.functional.pad(scores, (0, -keys % TILE_K), value=-math.inf)
         gaps = score_gaps(padded, positions)  # [Hq, R, nt]: the contract's per-row statistic
-        if variant.reference != "contract":
+        if variant.reference != "running":
             gaps = stronger_reference(gaps, padded, positions, variant.reference, variant.window)
         gaps = protect_window(gaps, positions, variant.window)
         stat = group_stat(gaps, group)  # [Hkv, R, nt]: a decode program's statistic
@@ -233,7 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="continuation tokens (teacher-forced decode rows)")
     p.add_argument("--offsets", default="-0.5,0,0.5,1", help="offsets on ln λ of the sweep")
     p.add_argument("--windows", default="", help="extra recent windows (keys), e.g. 256,512")
-    p.add_argument("--references", default="", help="extra reference maxima: window, row (see stronger_reference)")
+    p.add_argument("--references", default="", help="extra reference maxima beside version 5's window max: running "
+                   "(version 4: anchor and earlier tiles only), row (the row's true max, an oracle)")
     p.add_argument("--layer-sensitivity", action="store_true", help="one layer sparse at a time, at each offset")
     p.add_argument("--layer-offsets", type=Path, help="JSON {layer: offset} added to every sweep point")
     p.add_argument("--allocate-from", type=Path, metavar="SENSITIVITY_JSON",
@@ -274,12 +275,12 @@ def main(argv=None) -> int:
         variant.layer_offsets = {int(k): float(v) for k, v in json.loads(args.layer_offsets.read_text()).items()}
     layers = model.config.num_hidden_layers
     if args.layer_sensitivity:  # (name, window, reference, layer offsets, the one sparse layer)
-        sweeps = [(f"layer {layer}", RECENT_WINDOW, "contract", {j: DENSE_LAYER for j in range(layers) if j != layer},
+        sweeps = [(f"layer {layer}", RECENT_WINDOW, "window", {j: DENSE_LAYER for j in range(layers) if j != layer},
                    layer) for layer in range(layers)]  # fmt: skip
     else:
         windows = [int(w) for w in args.windows.split(",") if w]
-        sweeps = [("law", RECENT_WINDOW, "contract", variant.layer_offsets, None)]
-        sweeps += [(f"win{w}", w, "contract", variant.layer_offsets, None) for w in windows]
+        sweeps = [("law", RECENT_WINDOW, "window", variant.layer_offsets, None)]
+        sweeps += [(f"win{w}", w, "window", variant.layer_offsets, None) for w in windows]
         sweeps += [(f"ref-{ref}", RECENT_WINDOW, ref, variant.layer_offsets, None)
                    for ref in args.references.split(",") if ref]  # fmt: skip
     for name, window, reference, layer_offsets, layer in sweeps:

@@ -107,7 +107,8 @@ def _structured(n: int, hq: int, hkv: int, d: int, seed: int = 0):
 
 
 def test_coherence_decisions_equal_the_reference_counts():
-    """coherence.py's per-row gaps, protected by the recent window and reduced over contract version 4's units
+    """coherence.py's per-row gaps against version 5's reference (the window's max joins it), protected by the
+    recent window and reduced over the contract's units
     (`block_stat` over aligned 64-row blocks for a prompt, `group_stat` over a decode row's GQA group), count what
     the reference drops."""
     from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention
@@ -120,7 +121,7 @@ def test_coherence_decisions_equal_the_reference_counts():
     n, hq, hkv, d = 2200, 4, 2, 16  # past one 2048-key split: the anchor and the split restart are exercised
     q, k, v = _structured(n, hq, hkv, d)
     scale = d**-0.5
-    gaps = co.sequence_gaps(q, k, scale)
+    gaps = co.sequence_gaps(q, k, scale, window_reference=True)
     assert gaps.dtype == torch.float64 and gaps.shape == (hq, n, -(-n // 64))
     tiles = torch.arange(gaps.shape[-1])
     in_window = tiles[None, :] >= first_droppable_window_tile(torch.arange(n))[:, None]  # [n, nt]
@@ -144,7 +145,7 @@ def test_coherence_decisions_equal_the_reference_counts():
     assert ours == sorted(ours) and ours[-1] > 0
 
     # a decode row (the last position) as the reference decides it: per GQA group
-    gd = co.row_tile_gaps(q[-1:], k, scale, torch.tensor([n - 1]))
+    gd = co.row_tile_gaps(q[-1:], k, scale, torch.tensor([n - 1]), window_reference=True)
     gd = gd.masked_fill(tiles[None, None, :] >= first_droppable_window_tile(n - 1), math.inf)
     _, c1 = paged_skip_softmax_attention(q[-1:], k[None], v[None], table, torch.tensor([0, 1], dtype=torch.int32),
                                          lens, softmax_scale=scale, skip_threshold=0.3, return_skip_counts=True,

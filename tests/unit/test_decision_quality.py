@@ -44,9 +44,9 @@ def _reference(q, k, v, lam: float, prompt_len: int | None = None):
 
 
 @pytest.mark.parametrize("lam", [3e-3, 5e-2])
-@pytest.mark.parametrize("rule", ["block64+win128", "gqa+win128"])
-def test_version_4_rules_are_the_contract(dq, lam, rule):
-    """Contract version 4 is `block64+win128` for prompt rows and `gqa+win128` for decode rows: each drops what
+@pytest.mark.parametrize("rule", ["block64+win128+ref", "gqa+win128+ref"])
+def test_version_5_rules_are_the_contract(dq, lam, rule):
+    """Contract version 5 is `block64+win128+ref` for prompt rows and `gqa+win128+ref` for decode rows: each drops what
     the reference drops (same count) and its masked softmax gives the reference's output (float64 inputs; 1e-10:
     the same keys enter both softmaxes, in another order). The reference takes every row after the first as a
     decode row for the group rule (a teacher-forced continuation)."""

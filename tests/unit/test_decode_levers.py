@@ -125,16 +125,16 @@ def test_equal_work_comparison_and_allocation(dl):
 
 def test_stronger_references_drop_a_superset(dl):
     """A larger reference max (the window's, or the row's true max) only lowers gaps: at the same λ it drops every
-    tile the contract drops and more; anchor, window and unvisited tiles keep their marks."""
+    tile version 4's running reference drops and more; anchor, window and unvisited tiles keep their marks."""
     q, k, v = _continuation(3)
     scale = q.shape[-1] ** -0.5
     dropped = {}
-    for reference in ("contract", "window", "row"):
+    for reference in ("running", "window", "row"):
         variant = dl.Variant(math.log(0.3) + math.log(2048), 1.0)
         variant.dense, variant.reference = False, reference
         dl.attention(variant, 0, q, k, v, scale)
         dropped[reference] = variant.counts()[0]
-    assert 0 < dropped["contract"] < dropped["window"] <= dropped["row"]
+    assert 0 < dropped["running"] < dropped["window"] <= dropped["row"]
     positions = torch.arange(2260, 2300)
     full = _scores(q, k, positions)
     gaps = dl.score_gaps(full, positions)

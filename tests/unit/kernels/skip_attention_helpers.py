@@ -268,7 +268,7 @@ def default_prompt_lens(case: Case) -> list[int]:
 
 def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *, law=None,
            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> OracleResult:
-    """float64 implementation of docs/skip_softmax.md (v4), row by row, unit by unit.
+    """float64 implementation of docs/skip_softmax.md (v5), row by row, unit by unit.
 
     `log_lams`: [B, T] ln λ for every row (-inf = dense) or None; or `law = (log_sf [B, T, 2], gamma [B, 2],
     prompt_lens [B])`. Serving (calibrate=False) drops the tiles of trial 0; calibration keeps the output dense
@@ -309,6 +309,13 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
         prompt_len = kv if law is None else int(law[2][b])
         if law is not None:
             lams = row_log_lambdas(law[0][b], law[1][b], prompt_len, positions)  # [T, ql]
+        # Version 5: each row's reference also holds the max over the tiles that hold one of its RECENT_WINDOW
+        # most recent keys (keys pos - RECENT_WINDOW + 1 .. pos), whichever split they are in.
+        window_max = torch.full((hq, ql), -math.inf, dtype=torch.float64)
+        for r, pos in enumerate(positions.tolist()):
+            first_key = max(0, pos - semantics.RECENT_WINDOW + 1)
+            tiles = range(first_key // TILE_K, pos // TILE_K + 1)
+            window_max[:, r] = g[:, r, list(tiles)].amax(-1)
         seq_stats = []
         for t in range(n_kb):
             rows_visiting = positions >= t * TILE_K  # [ql]
@@ -321,6 +328,7 @@ def oracle(case: Case, log_lams: torch.Tensor | None, calibrate: bool = False, *
                 ref = torch.maximum(ref, sinks.to(torch.float64)[:, None])
             if t > split_start:
                 ref = torch.maximum(ref, g[..., split_start:t].amax(-1))
+            ref = torch.maximum(ref, window_max)  # version 5
             gap = g[..., t] - ref  # [Hq, ql]
             unit = unit_statistics(gap, positions, t, prompt_len, group)  # [Hq, ql]
             seq_stats.append(unit[:, rows_visiting].flatten())

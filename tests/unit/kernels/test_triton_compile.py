@@ -118,9 +118,10 @@ def test_prefill_loads_are_software_pipelined_for_sm90():
     between them changes and `benchmarks/tune_triton.py` should be run again."""
     out = _run_compiled(PIPELINE_SCRIPT)
     # async copies: each pipelined load once before its loop and once inside; the split-causal default has two
-    # loops, both pipelining K and V; `prefetch` pipelines the next tile's V (issued inside the loop only)
-    expected = ["mode 0 branch whole K V 4", "mode 1 branch whole K - 2", "mode 1 exp whole K V 4",
-                "mode 1 exp split K V 8", "mode 1 prefetch split K V 6"]  # fmt: skip
+    # loops, both pipelining K and V; `prefetch` pipelines the next tile's V (issued inside the loop only); when
+    # deciding (mode 1) the recent-window prepass (`_window_max`, version 5) pipelines its K loads too (+2)
+    expected = ["mode 0 branch whole K V 4", "mode 1 branch whole K - 4", "mode 1 exp whole K V 6",
+                "mode 1 exp split K V 10", "mode 1 prefetch split K V 8"]  # fmt: skip
     assert out.splitlines() == expected, out
 
 

@@ -1,4 +1,4 @@
-"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 4).
+"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 5).
 
 The kernel is C++: one compiled file, `csrc/skip_softmax_cpu.cpp`, and the headers beside it (`csrc/*.h`, one per
 instruction-set path), built with `torch.utils.cpp_extension.load` (g++ and ninja) the first time it is needed and

@@ -94,7 +94,7 @@ class _DecodeBuffers:
         b = self.batch
         self.live = b - 1 if b > 1 else 1  # the last row pads the batch (no new token, no keys) when B > 1
         lens = self._ints(1, self.longest + 1, b)
-        # A row drops tiles only past its recent window (contract version 4): the row that decides in every round
+        # A row drops tiles only past its recent window (contract versions 4-5): the row that decides in every round
         # (row 0 in short rounds, row 1 in long ones, where row 0 runs dense) reaches past it.
         reach = min(self.longest, 3 * TILE_K + RECENT_WINDOW)
         lens[0] = self.longest if round_index % 2 else max(reach, self.longest // 7)  # long and short rounds
@@ -112,6 +112,11 @@ class _DecodeBuffers:
         for row, n in enumerate(lens):
             if n:
                 self.k[int(table[row, 0]), 0] = 8.0 * self.anchor
+            if n > 2 * RECENT_WINDOW and round_index % 3 == 1:
+                # A stronger key inside the row's recent window: its max, not the anchor, is the row's reference
+                # (contract version 5), so decisions depend on where the window lies in this round's pages.
+                pos = n - 1 - int(self._ints(0, RECENT_WINDOW // 2, 1)[0])
+                self.k[int(table[row, pos // self.page]), pos % self.page] = 10.0 * self.anchor
         self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q_lens = [1] * self.live + [0] * (b - self.live)
         self.cu_q.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))

@@ -1,4 +1,4 @@
-"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v4).
+"""PyTorch reference of paged skip-softmax attention: any device, any cache strides, exact semantics (v5).
 
 For a chunk of query rows it computes the scores against the keys they can see, each row's tile maxima and its
 reference max per tile (running max within the tile's split, seeded with the row's tile 0 and the head's attention
@@ -79,7 +79,7 @@ def _exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None)
 
 def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor, sinks=None,
                     prompt_rows: torch.Tensor | None = None):
-    """The tile decisions of docs/skip_softmax.md (version 4) for scores `s` [N, Hkv, g, R, n_tiles * TILE_K].
+    """The tile decisions of docs/skip_softmax.md (version 5) for scores `s` [N, Hkv, g, R, n_tiles * TILE_K].
 
     positions: [N, R] absolute row positions, consecutive within each sequence (invisible keys of `s` already
     -inf; rows of a prompt block must all be here: callers chunk rows at multiples of DECISION_BLOCK_ROWS);
@@ -98,6 +98,9 @@ def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Te
     if sinks is not None:
         ref = torch.maximum(ref, sinks.to(ref.dtype)[None, :, :, None, None])
     tiles = torch.arange(n_tiles, device=s.device)
+    # Version 5: the max of the row's recent-window tiles (kept anyway) joins every tile's reference max.
+    in_window = tiles.view(1, 1, -1) >= first_droppable_window_tile(positions)[..., None]  # [N, R, nt]
+    ref = torch.maximum(ref, tile_max.masked_fill(~in_window[:, None, None], -math.inf).amax(-1, keepdim=True))
     visited = (tiles * TILE_K).view(1, 1, -1) <= positions.unsqueeze(-1)  # [N, R, nt]
     droppable = (tiles > 0).view(1, 1, -1) & (tiles.view(1, 1, -1) < first_droppable_window_tile(positions)[..., None])
     gap = (tile_max - ref).masked_fill(~(visited & droppable)[:, None, None], math.inf)  # effective gaps

@@ -24,7 +24,7 @@ DECODE_SPLIT_TOKENS = SPLIT_TOKENS
 TILE_Q = 64
 """Rows per work block of the kernels (a multiple of `DECISION_BLOCK_ROWS`, aligned the same way)."""
 
-CONTRACT_VERSION = 4
+CONTRACT_VERSION = 5
 """The version of docs/skip_softmax.md every path implements (4: block / group decisions and the recent window)."""
 
 DECISION_BLOCK_ROWS = 64

@@ -7,11 +7,20 @@ Kernels
 -------
 The kernels walk key tiles in increasing order with the same `@triton.jit` pieces: `_load_k_tile` /
 `_load_v_tile` (a tile through the block table and any strides; masked, so nothing past kv_len is ever read),
-`_row_log_lambda` (the per-row law of docs/skip_softmax.md), `_effective_gap` (a row's tile max minus its anchored
-split max, +inf for tile 0, tiles it does not visit and tiles of its recent window), `_segment_max` (the largest
-effective gap of a decision unit, broadcast to its members) and `_online_softmax_update`.
+`_row_log_lambda` (the per-row law of docs/skip_softmax.md), `_window_max` (a row's recent-window max w),
+`_effective_gap` (a row's tile max minus its reference max, +inf for tile 0, tiles it does not visit and tiles of
+its recent window), `_segment_max` (the largest effective gap of a decision unit, broadcast to its members) and
+`_online_softmax_update`.
 
-Decisions (contract version 4) are per unit, and every kernel holds its units whole: the prompt rows of an aligned
+The reference max (contract version 5) of a row's tile is max(σ_h, tile 0's max, w, running max of the earlier
+tiles of its split), w the max of the row's recent-window tiles (max(0, pos − 127) // 64 .. pos // 64, whichever
+split they are in). When deciding, every program (and every decode split) first scores those window tiles in a
+short prepass (`_window_max`: the same load, dot, soft-cap and mask as the main loop, so w is its tiles' g; two
+or three tiles per row, BLOCK_Q // 64 + 2 for a prefill program's rows together; none where no row can drop a
+tile, pos < 255), and seeds the rows' anchor with w: tile 0's max joins it at kb == 0. Dense launches skip the
+prepass. The main key loop is unchanged.
+
+Decisions (since contract version 4) are per unit, and every kernel holds its units whole: the prompt rows of an aligned
 block of 64 positions of one query head (a prefill program of 64 or 128 rows holds one or two such blocks: the max
 over each 64-row segment of the program, a reshape to [BLOCK_Q // 64, 64] and a reduction, broadcast back), or a
 decode row's GQA group (the decode kernels hold the group's heads as rows of one `tl.dot` and reduce over them). A
@@ -27,7 +36,7 @@ visit it), and otherwise zeroes the probabilities of the rows whose unit drops i
   reverse order, longest causal blocks first) and each program finds its sequence by a binary search over
   `cu_seqlens_q` — no host synchronisation. Key blocks of TILE_K keys are visited in increasing order (online
   softmax), keys gathered through the block table (any power-of-two page size >= 16; a key tile spans several
-  pages when the page is smaller than TILE_K). Each row keeps its anchor (tile 0's max) and its running max within
+  pages when the page is smaller than TILE_K). Each row keeps its anchor (w and tile 0's max) and its running max within
   the current split for the test, besides the softmax running max of the tiles it kept. When deciding (serving or
   calibration) a program holds only prompt rows (pos < prompt_len); dense launches compute every row here.
 * `_decode_rows_kernel` (decode rows, pos >= prompt_len, of sequences with `q_len >= 2`: speculative-decoding
@@ -43,7 +52,8 @@ visit it), and otherwise zeroes the probabilities of the rows whose unit drops i
   program (a different, register-heavier prefill kernel for a rare case) and over one program per sequence that
   loops over its rows (serial over a long recomputed tail); it is not tuned (branch skip mode, 4 warps).
 * `_decode_kernel` (sequences with `q_len == 1`): one program per (sequence, KV head, split of SPLIT_TOKENS
-  keys); a split other than the first reads tile 0 once more for its rows' anchor. The GQA group of query heads
+  keys); when deciding, every split scores the row's window tiles for w (they may lie in another split) and a split
+  other than the first reads tile 0 once more for its rows' anchor. The GQA group of query heads
   sharing the KV head is processed together (rows of one `tl.dot`) and decides together (a prompt's last row run
   alone decides per head: its block's only member in the call); V is loaded only when the group keeps the tile.
   Sequences with one split write the output directly; otherwise
@@ -198,10 +208,38 @@ def _row_log_lambda(c_pre, c_dec, g_pre, g_dec, pos, prompt_len):
 
 
 @triton.jit
+def _window_max(q, pos, kv_len, first_pos, last_pos, k_ptr, bt_row, kv_head, offs_d, d_in,
+                stride_kb, stride_kp, stride_kh, stride_kd, softmax_scale, softcap, unit, R: tl.constexpr,
+                PAGE: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+    """w of each of the R rows at `pos` [R] (version 5): the max of the row's recent-window tile maxes, tiles
+    max(0, pos − W + 1) // 64 .. pos // 64 (whichever split they are in), scored like the main loop scores them
+    (same load, dot, soft-cap and causal/length mask), so w equals those tiles' g. The tiles of the rows
+    `first_pos .. last_pos` are walked once, each row taking the ones in its own window. Nothing is read when no
+    row can drop a tile (last_pos < 2·64 + W − 1): w stays −inf, which the effective gap then never looks at."""
+    w = tl.full([R], float("-inf"), tl.float32)
+    w_first = tl.maximum(pos - (WINDOW - 1), 0) // BLOCK_K  # each row's first window tile
+    t_lo = tl.maximum(first_pos - (WINDOW - 1), 0) // BLOCK_K
+    t_hi = tl.where(last_pos >= 2 * BLOCK_K + WINDOW - 1, last_pos // BLOCK_K, t_lo - 1)
+    for t in range(t_lo, t_hi + 1):
+        kpos = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_in = (kpos < kv_len) & (kpos <= last_pos)
+        kt, _page, _slot = _load_k_tile(
+            k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
+        )
+        s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
+        s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
+        tile_max = tl.max(s, axis=1) * unit
+        w = tl.maximum(w, tl.where(t >= w_first, tile_max, float("-inf")))
+    return w
+
+
+@triton.jit
 def _effective_gap(tile_max, m_anchor, m_split, kb, pos, droppable, BLOCK_K: tl.constexpr):
     """A row's effective gap of key tile `kb` (docs/skip_softmax.md, "The skip test"): its tile max minus its
-    reference max (the anchored split max) where it may drop the tile (`droppable`: the row visits it and kb > 0)
-    and the tile lies wholly before its recent window (kb·64 + 63 < pos − W + 1), +inf elsewhere (broadcasting)."""
+    reference max where it may drop the tile (`droppable`: the row visits it and kb > 0) and the tile lies wholly
+    before its recent window (kb·64 + 63 < pos − W + 1), +inf elsewhere (broadcasting). The reference max is
+    max(m_anchor, m_split): `m_anchor` holds tile 0's max and the row's recent-window max w (version 5),
+    `m_split` the sink and the running max of the earlier tiles of kb's split."""
     before_window = kb * BLOCK_K + (BLOCK_K + WINDOW - 1) <= pos
     return tl.where(droppable & before_window, tile_max - tl.maximum(m_anchor, m_split), float("inf"))
 
@@ -360,7 +398,7 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
     else:
         valid = row_in
     tile_max = tl.max(s, axis=1) * unit
-    m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+    m_anchor = tl.where(kb == 0, tl.maximum(m_anchor, tile_max), m_anchor)  # seeded with w (version 5)
     if HAS_SINKS:  # the sink seeds every split's reference max, like the anchor
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, sink, m_split)
     else:
@@ -471,6 +509,12 @@ def _prefill_kernel(
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     unit = _score_unit(softmax_scale, SOFTCAP)
+    if MODE != 0:  # version 5: each row's recent-window max w seeds its anchor (tile 0's max joins it at kb == 0)
+        m_anchor = _window_max(
+            q, pos, kv_len, first_pos, last_pos, k_ptr, bt_row, kv_head, offs_d, d_in,
+            stride_kb, stride_kp, stride_kh, stride_kd, softmax_scale, softcap, unit, BLOCK_Q,
+            PAGE, BLOCK_K, FP32_DOT, SOFTCAP,
+        )  # fmt: skip
     v_ahead = 0.0  # the `prefetch` skip mode's V of the next tile (loop-carried); unused otherwise
     if MODE == 1:
         if V_SKIP == 3:
@@ -567,14 +611,22 @@ def _decode_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     unit = _score_unit(softmax_scale, SOFTCAP)
     m_anchor = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    if (MODE != 0) & (split > 0):  # the anchor of this split's rows: tile 0's max
+    if MODE != 0:
+        # version 5: the row's recent-window max w seeds the anchor; every split scores the (two or three) window
+        # tiles itself, since they may lie in another split
+        m_anchor = _window_max(
+            q, tl.full([BLOCK_G], 0, tl.int32) + pos, kv_len, pos, pos, k_ptr, bt_row, kv_head, offs_d, d_in,
+            stride_kb, stride_kp, stride_kh, stride_kd, softmax_scale, softcap, unit, BLOCK_G,
+            PAGE, BLOCK_K, FP32_DOT, SOFTCAP,
+        )  # fmt: skip
+    if (MODE != 0) & (split > 0):  # the anchor of this split's rows: tile 0's max (and w)
         kpos0 = tl.arange(0, BLOCK_K)
         k_in0 = kpos0 < kv_len
         kt0, _p0, _s0 = _load_k_tile(
             k_ptr, bt_row, kpos0, k_in0, kv_head, offs_d, d_in, stride_kb, stride_kp, stride_kh, stride_kd, PAGE
         )
         s0 = tl.where(k_in0[None, :], _scores(q, kt0, softmax_scale, softcap, FP32_DOT, SOFTCAP), float("-inf"))
-        m_anchor = tl.max(s0, axis=1) * unit
+        m_anchor = tl.maximum(m_anchor, tl.max(s0, axis=1) * unit)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     m_split = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -599,7 +651,7 @@ def _decode_kernel(
         s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
         s = tl.where(k_in[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_K]
         tile_max = tl.max(s, axis=1) * unit
-        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+        m_anchor = tl.where(kb == 0, tl.maximum(m_anchor, tile_max), m_anchor)  # seeded with w (version 5)
         keep_row = g_in
         if MODE != 0:
             # a decode row's unit is its GQA group (the largest effective gap of the group's heads); a prompt row
@@ -738,7 +790,6 @@ def _decode_rows_kernel(
         log_lam2 = _row_log_lambda(c_pre[None, :], c_dec[None, :], g_pre, g_dec, pos[:, None], prompt_len)
 
     m_i = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
-    m_anchor = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
     m_split = tl.full([BLOCK_R * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_R * BLOCK_G, BLOCK_D], tl.float32)
@@ -751,6 +802,12 @@ def _decode_rows_kernel(
     drops2 = tl.zeros([BLOCK_R * BLOCK_G, TRIALS_P2], tl.int32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     unit = _score_unit(softmax_scale, SOFTCAP)
+    # version 5: each row's recent-window max w seeds its anchor (tile 0's max joins it at kb == 0)
+    m_anchor = _window_max(
+        q, pos, kv_len, first_new + first_row, last_pos, k_ptr, bt_row, kv_head, offs_d, d_in,
+        stride_kb, stride_kp, stride_kh, stride_kd, softmax_scale, softcap, unit, BLOCK_R * BLOCK_G,
+        PAGE, BLOCK_K, FP32_DOT, SOFTCAP,
+    )  # fmt: skip
     for kb in range(0, n_kblocks):
         kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_in = kpos < kv_len
@@ -761,7 +818,7 @@ def _decode_rows_kernel(
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
         valid = row_in & (kb * BLOCK_K <= pos)
         tile_max = tl.max(s, axis=1) * unit
-        m_anchor = tl.where(kb == 0, tile_max, m_anchor)
+        m_anchor = tl.where(kb == 0, tl.maximum(m_anchor, tile_max), m_anchor)  # seeded with w (version 5)
         m_split = tl.where(kb % SPLIT_BLOCKS == 0, sink, m_split)
         # a row's heads visit the same tiles: the group max runs over the row's real heads
         gap = _effective_gap(tile_max, m_anchor, m_split, kb, pos, valid & (kb > 0), BLOCK_K)

@@ -39,7 +39,7 @@ CALIBRATION_KEYS = (
 # The version of docs/skip_softmax.md our calibrations are made under (equal to
 # modelopt_ext.torch.kernels.sparsity.attention.semantics.CONTRACT_VERSION; a test checks). Written into the
 # skip_softmax group as `contract_version`: a calibration made under another version means something else by λ.
-CONTRACT_VERSION = 4
+CONTRACT_VERSION = 5
 
 # Mode config (sparse_cfg).
 METHODS = ("skip_softmax",)

@@ -336,11 +336,18 @@ def _warn_about_served_phases(model: SparseAttentionBlock, group: SkipSoftmaxGro
         made = "before contract versions were recorded (version 3 or earlier: per-row decisions, no recent window)"
         if group.contract_version is not None:
             made = f"under contract version {group.contract_version}"
+        if group.contract_version == 4:  # v5 adds the window's max to every reference: more dropped at one λ
+            effect = "drop more at the same (a, b) (the recent window's max joins the reference), so realized " \
+                     "sparsity will be above the target and quality below what it was calibrated for"
+        elif group.contract_version is None or group.contract_version < 4:
+            effect = "decide per prompt block and GQA group with a recent window, so realized sparsity will not " \
+                     "be the target (below it in the measurements of version 4)"
+        else:
+            effect = "mean something else at the same (a, b)"
         logger.warning(
-            "%s: calibrated %s; this modelopt_ext serves version %d (docs/skip_softmax.md), whose decisions drop "
-            "less at the same (a, b), so realized sparsity will be below the target. Recalibrate "
-            "(examples/vllm_serve/calibrate_sparse_attn.py, or mtsa.sparsify with a calibration): it keeps the "
-            "group's ignore list and other policy", gpath, made, CONTRACT_VERSION,
+            "%s: calibrated %s; this modelopt_ext serves version %d (docs/skip_softmax.md), whose decisions %s. "
+            "Recalibrate (examples/vllm_serve/calibrate_sparse_attn.py, or mtsa.sparsify with a calibration): it "
+            "keeps the group's ignore list and other policy", gpath, made, CONTRACT_VERSION, effect,
         )  # fmt: skip
 
 

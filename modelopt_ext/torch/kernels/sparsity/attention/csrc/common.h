@@ -370,8 +370,10 @@ using lines = std::vector<E, LineAligned<E>>;
 
 struct Scratch {
   // l: each row's softmax denominator as kLanes partial sums (summed once per item, not once per tile);
-  // g: each row's max over the current tile (scores()); sink: each row's head sink (only with sinks); lnl: ln λ
-  // [trial][M]; e: each row's gap of the current tile, then its unit's statistic (decide_tile).
+  // g: each row's max over the current tile (scores()); g0: each row's reference-max seed (its recent-window max,
+  // raised by the anchor and the sink); srun: its running max within the split; sink: each row's head sink (only
+  // with sinks); lnl: ln λ [trial][M]; e: each row's gap of the current tile, then its unit's statistic
+  // (decide_tile).
   lines<float> q, s, o, mx, l, g0, srun, lnl, kept_g, g, sink, e;
   std::vector<int32_t> pos, kept_m;
   lines<unsigned char> kbuf, vbuf;

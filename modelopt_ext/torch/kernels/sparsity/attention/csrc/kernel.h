@@ -59,11 +59,14 @@ class Kernel {
       t_begin = it.split * kSplitTiles;
       t_end = std::min(t_end, t_begin + kSplitTiles);
     }
+    // Version 5: each row's recent-window max seeds its reference max (sc.g0) before the anchor raises it; a dense
+    // call decides nothing and skips it.
+    if (p.log_sf != nullptr) window_max(it, sc, M, t_begin, t_end);
     if (t_begin > 0 && t_begin < t_end) {
-      // Anchor: this split's reference max is seeded with each row's tile-0 max (no exp, no P·V for it here).
+      // Anchor: this split's reference max is raised with each row's tile-0 max (no exp, no P·V for it here).
       const int m_lo = first_active(sc, M, 0);
       scores(it, sc, 0, m_lo, M, sc.s.data(), 0);
-      std::copy(sc.g.begin() + m_lo, sc.g.begin() + M, sc.g0.begin() + m_lo);
+      for (int m = m_lo; m < M; ++m) sc.g0[m] = std::max(sc.g0[m], sc.g[m]);
       if (p.sinks != nullptr) {  // the sink joins every split's anchor
         for (int m = m_lo; m < M; ++m) sc.g0[m] = std::max(sc.g0[m], sc.sink[m]);
       }
@@ -192,6 +195,36 @@ class Kernel {
     }
   }
 
+  // Version 5 (docs/skip_softmax.md "The skip test"): each row's recent-window max w, the max of its tile maxima
+  // g[t'] over its window tiles t' = max(0, pos - W + 1) // 64 .. pos // 64 (whichever split they are in), into
+  // sc.g0, which the anchor (decide_tile at tile 0, or the split anchor in run_item) then raises with tile 0's max
+  // and the sink: every path's decisions (decide_tile) thus compare with max(σ, g[0], w, running max) unchanged.
+  // Scored by the paths' own scores() (so a window tile's max is the one its own tile pass finds, up to the rounding
+  // of a different row blocking), one tile at a time over the rows whose window holds it. Only the rows that may
+  // drop one of the item's tiles need it (the first such tile is max(t_begin, 1), dropped only by rows with
+  // pos >= 64 t + 64 + W - 1, so pos >= 255); the others keep every tile whatever their reference max is (a unit
+  // with a member that keeps the tile keeps it: unit_statistics). Out of line, like setup_item.
+  __attribute__((noinline)) void window_max(const Item& it, Scratch& sc, int M, int t_begin, int t_end) const {
+    const int group = static_cast<int>(p_.group);
+    const int n_rows = M / group;
+    const int t_lo = std::max(t_begin, 1);
+    if (t_lo >= t_end || n_rows == 0) return;
+    const int64_t pos0 = sc.pos[0];  // rows hold consecutive positions pos0, pos0 + 1, ... (heads innermost)
+    const int64_t p_lo = std::max<int64_t>(pos0, static_cast<int64_t>(t_lo) * kTileK + kTileK + kRecentWindow - 1);
+    const int64_t p_hi = pos0 + n_rows - 1;
+    if (p_lo > p_hi) return;
+    float* g0 = sc.g0.data();
+    const float* g = sc.g.data();
+    for (int64_t tw = (p_lo - kRecentWindow + 1) / kTileK; tw <= p_hi / kTileK; ++tw) {
+      // Rows whose window holds tile tw: 64 tw <= pos (they see it) and pos - W + 1 <= 64 tw + 63.
+      const int64_t a = std::max(p_lo, tw * kTileK), z = std::min(p_hi, tw * kTileK + kTileK + kRecentWindow - 2);
+      if (a > z) continue;
+      const int m_a = static_cast<int>(a - pos0) * group, m_z = static_cast<int>(z - pos0 + 1) * group;
+      scores(it, sc, static_cast<int>(tw), m_a, m_z, sc.s.data(), 0);
+      for (int m = m_a; m < m_z; ++m) g0[m] = std::max(g0[m], g[m]);
+    }
+  }
+
   // Merge the partial states of the key splits of (b, kvh, rows r0..r1-1) into the output.
   void merge(int b, int kvh, int r0, int r1, int n_splits, int64_t ws0, const float* ws) const {
     const Params& p = p_;
@@ -240,7 +273,7 @@ class Kernel {
     }
   }
 
-  // The decisions of tile t (docs/skip_softmax.md "The skip test", version 4) for the rows m_lo..M-1 that visit it,
+  // The decisions of tile t (docs/skip_softmax.md "The skip test", version 5) for the rows m_lo..M-1 that visit it,
   // their tile maxima in sc.g: a unit — the prompt rows of one aligned block of kDecisionRows positions of one head,
   // or the heads of one decode row's GQA group — drops the tile iff the largest effective gap of its members is
   // below their (shared) ln λ. An item holds whole units: its rows start at the call's first row or at a multiple of
@@ -253,9 +286,9 @@ class Kernel {
     const Params& p = p_;
     const float* g = sc.g.data();
     int m_u = M;  // rows m_u..M-1 form the units that may drop the tile; rows m_lo..m_u-1 keep it
-    if (t == 0) {  // the anchor seeds the reference max (with the head's sink) and is never dropped
+    if (t == 0) {  // the anchor joins the reference max (with the head's sink) and is never dropped
       for (int m = m_lo; m < M; ++m) {
-        sc.g0[m] = p.sinks != nullptr ? std::max(g[m], sc.sink[m]) : g[m];
+        sc.g0[m] = std::max(sc.g0[m], p.sinks != nullptr ? std::max(g[m], sc.sink[m]) : g[m]);
         sc.srun[m] = g[m];
       }
     } else if (p.log_sf != nullptr) {
@@ -288,10 +321,10 @@ class Kernel {
   }
 
   // For a tile t > 0 (first key kstart) and the rows m_lo..M-1 that visit it: each row's gap (its tile max less its
-  // reference max, the running max of the split seeded with the anchor) into sc.e, its running max raised; then,
-  // for the rows of units that may drop the tile (every member holds it wholly before its recent window, pos >=
-  // kstart + 64 + W - 1, so visits it), each unit's statistic (the largest gap of its members) into sc.e of every
-  // member. Returns the first of those rows (M: none). Rows of the item are sorted by position, heads innermost.
+  // reference max, the running max of the split seeded with the anchor, the sink and the window max) into sc.e, its
+  // running max raised; then, for the rows of units that may drop the tile (every member holds it wholly before its
+  // recent window, pos >= kstart + 64 + W - 1, so visits it), each unit's statistic (the largest gap of its members)
+  // into sc.e of every member. Returns the first of those rows (M: none). Rows of the item are sorted by position, heads innermost.
   int unit_statistics(Scratch& sc, int m_lo, int M, int64_t kstart) const {
     const int group = static_cast<int>(p_.group);
     float* e = sc.e.data();

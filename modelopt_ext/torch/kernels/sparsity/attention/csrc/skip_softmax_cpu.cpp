@@ -1,11 +1,12 @@
-// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 4).
+// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 5).
 //
 // One work item is (sequence, KV head, block of query rows[, key split]). Its rows are the (query row, query head)
 // pairs of the block that share the KV head (GQA), m = r * group + h; its row blocks are aligned to absolute
 // positions in whole decision blocks of 64, so an item holds whole decision units: the prompt rows of an aligned
 // 64-position block of one head, and the heads of a decode row's GQA group. For each key tile of 64 keys (aligned to
 // absolute positions) the item computes the scores of every row that visits the tile, takes each row's tile max and
-// its gap to the reference max (running max within the tile's 2048-key split, seeded with the row's tile 0), decides
+// its gap to the reference max (running max within the tile's 2048-key split, seeded with the row's tile 0 and, since
+// version 5, with the max of the row's recent-window tiles, scored first: Kernel::window_max), decides
 // per unit (the largest effective gap of its members, +inf for a member whose recent window holds the tile, against
 // their ln λ: Kernel::decide_tile), and runs the online softmax and P·V only for the rows whose unit keeps the tile:
 // a dropped row-tile costs no exp and no P·V, and a tile every unit of the item drops (a decode row's group) costs
@@ -24,7 +25,8 @@
 // Parallelism: items are sorted by estimated cost and taken dynamically from an atomic counter by the threads of
 // torch's intra-op pool (at::parallel_for over thread slots). Sequences with a single row block are also split
 // along the key axis at SPLIT_TOKENS boundaries (decode); each split decides exactly as the sequential loop would
-// (the reference max restarts at each split, seeded with tile 0) and partial softmax states are merged at the end.
+// (the reference max restarts at each split, seeded with tile 0 and the window max) and partial softmax states are
+// merged at the end.
 // Attention sinks (optional, one logit per query head) join every row's reference max and, once (the item holding
 // tile 0), its softmax denominator (Kernel::seed_sinks); the merge is unchanged.
 //

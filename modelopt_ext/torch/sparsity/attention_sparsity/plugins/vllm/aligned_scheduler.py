@@ -1,6 +1,6 @@
 """Aligned prefill chunks for block decisions: a vLLM scheduler that cuts prompts only at multiples of 64 positions.
 
-Contract version 4 (docs/skip_softmax.md) decides prompt rows per aligned block of `DECISION_BLOCK_ROWS` (64)
+Contract versions 4 and 5 (docs/skip_softmax.md) decide prompt rows per aligned block of `DECISION_BLOCK_ROWS` (64)
 absolute positions: a block drops a tile only when every one of its prompt rows *in the same kernel call* drops it.
 A row's output stays independent of how vLLM chunks a prompt only if every block of prompt positions is computed in
 one attention call, so in every engine step the first new position of a request's prefill chunk must be a multiple
