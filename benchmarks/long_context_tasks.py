@@ -39,6 +39,7 @@ import concurrent.futures
 import datetime as dt
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -196,9 +197,34 @@ def prompt_length(nominal: int, context: int) -> int:
 # ------------------------------------------------------------------------------------------------------- the run
 
 
+PHASES = ("prefill", "decode")
+
+
+def parse_mode(text: str) -> str:
+    """A served mode from `--targets`: `T` (both phases at target T) or `PHASE:T` (that phase at T, the other
+    dense), T in (0, 1); normalized (`0.70` -> `0.7`). Raises ValueError with the accepted forms."""
+    phase, _, value = text.strip().rpartition(":")
+    try:
+        target = float(value)
+    except ValueError:
+        target = math.nan
+    if phase not in ("", *PHASES) or not 0 < target < 1:
+        raise ValueError(f"{text!r}: give a target in (0, 1), or prefill:T / decode:T for one phase (the other dense)")
+    return f"{phase}:{target:g}" if phase else f"{target:g}"
+
+
+def mode_xargs(mode: str) -> dict:
+    """The request's `vllm_xargs` for a mode (docs/serving.md's per-request targets)."""
+    if mode == "dense" or ":" not in mode:
+        return {"sparse_attn_target": mode if mode == "dense" else float(mode)}
+    phase, value = mode.split(":")
+    other = PHASES[1 - PHASES.index(phase)]
+    return {f"sparse_attn_{phase}_target": float(value), f"sparse_attn_{other}_target": "dense"}
+
+
 def ask(base: str, name: str, p: tg.TaskPrompt, mode: str, timeout: float, use_chat: bool) -> dict:
     payload = {"model": name, "max_tokens": max_tokens_for(p.task), "temperature": 0.0,
-               "vllm_xargs": {"sparse_attn_target": mode if mode == "dense" else float(mode)}}  # fmt: skip
+               "vllm_xargs": mode_xargs(mode)}  # fmt: skip
     t0 = time.monotonic()
     if use_chat:
         payload.update(messages=chat_messages(p.text, p.answer_prefix), add_generation_prompt=False,
@@ -358,7 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", default=",".join(tg.DEFAULT_TASKS), help=f"of {', '.join(tg.TASKS)}")
     ap.add_argument("--lengths", default=None, help="nominal prompt lengths (default 2048,4096,8192; quick 2048,4096)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per task and length (default 20; quick 8)")
-    ap.add_argument("--targets", default="0.5,0.7", help="sparse targets served beside dense (default %(default)s)")
+    ap.add_argument("--targets", default="0.5,0.7",
+                    help="sparse modes served beside dense: T (both phases) or prefill:T / decode:T (that phase "
+                         "only, to tell which phase costs a task; default %(default)s)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help=f"prompt seed (default: the reporting seed "
                     f"{tg.REPORT_SEED}; tuning seed {tg.TUNING_SEED})")  # fmt: skip
     ap.add_argument("--tuning", action="store_true", help=f"the tuning prompts (seed {tg.TUNING_SEED})")
@@ -382,9 +410,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if t not in tg.TASKS:
             ap.error(f"--tasks: unknown task {t!r}; known: {', '.join(tg.TASKS)}")
     args.chat = not args.completions
-    args.targets = [float(x) for x in args.targets.split(",") if x]
-    if any(not 0 < t < 1 for t in args.targets):
-        ap.error("--targets: each target must be in (0, 1)")
+    try:
+        args.targets = [parse_mode(x) for x in args.targets.split(",") if x.strip()]
+    except ValueError as e:
+        ap.error(f"--targets: {e}")
     if args.prompts < 1 or args.concurrency < 1:
         ap.error("--prompts and --concurrency must be >= 1")
     return args
@@ -417,7 +446,7 @@ def main(argv=None) -> int:
     log.info("generated %d prompts in %.0f s", sum(len(v) for v in prompts.values()), time.monotonic() - t_start)
 
     ckpt, calibration = calibrated_checkpoint(model, workdir, args.calib_args, args.python, args.recalibrate)
-    modes = ["dense"] + [f"{t:g}" for t in args.targets]
+    modes = ["dense"] + args.targets
     name = model.name
     t_serve = time.monotonic()
     with sparse_server(args.python, ckpt, name, args.port or free_port(), context, workdir / "server.log",

@@ -150,9 +150,17 @@ def test_benchmark_helpers_without_a_server():
     assert args.seed == tg.REPORT_SEED and args.lengths == [2048, 4096] and args.prompts == 8
     assert lct.parse_args(["--tuning"]).seed == tg.TUNING_SEED
     full = lct.parse_args([])
-    assert full.lengths == [2048, 4096, 8192] and full.prompts == 20 and full.targets == [0.5, 0.7]
-    with pytest.raises(SystemExit):
-        lct.parse_args(["--targets", "1.5"])
+    assert full.lengths == [2048, 4096, 8192] and full.prompts == 20 and full.targets == ["0.5", "0.7"]
+    for bad in ("1.5", "0", "prefil:0.7", "decode:x", "decode:1"):
+        with pytest.raises(SystemExit):
+            lct.parse_args(["--targets", bad])
+    phases = lct.parse_args(["--targets", "0.70,prefill:0.7,decode:0.50"]).targets
+    assert phases == ["0.7", "prefill:0.7", "decode:0.5"]
+    # per-phase modes ask the server for that phase's target and the other phase dense (docs/serving.md's keys)
+    assert lct.mode_xargs("dense") == {"sparse_attn_target": "dense"}
+    assert lct.mode_xargs("0.7") == {"sparse_attn_target": 0.7}
+    assert lct.mode_xargs("prefill:0.7") == {"sparse_attn_prefill_target": 0.7, "sparse_attn_decode_target": "dense"}
+    assert lct.mode_xargs("decode:0.5") == {"sparse_attn_decode_target": 0.5, "sparse_attn_prefill_target": "dense"}
     assert lct.prompt_length(8192, 8192) + lct.MAX_TOKENS_MULTI < 8192 and lct.prompt_length(2048, 8192) == 2048
 
     def cell(score, skipped):
