@@ -61,6 +61,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
     sparse_metrics,
     tile_counts,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import PHASE_TARGET_KEYS, TARGET_KEY
 
 log = logging.getLogger("long_context_tasks")
 REPO = Path(__file__).resolve().parent.parent
@@ -197,9 +198,6 @@ def prompt_length(nominal: int, context: int) -> int:
 # ------------------------------------------------------------------------------------------------------- the run
 
 
-PHASES = ("prefill", "decode")
-
-
 def parse_mode(text: str) -> str:
     """A served mode from `--targets`: `T` (both phases at target T) or `PHASE:T` (that phase at T, the other
     dense), T in (0, 1); normalized (`0.70` -> `0.7`). Raises ValueError with the accepted forms."""
@@ -208,18 +206,17 @@ def parse_mode(text: str) -> str:
         target = float(value)
     except ValueError:
         target = math.nan
-    if phase not in ("", *PHASES) or not 0 < target < 1:
+    if phase not in ("", *PHASE_TARGET_KEYS) or not 0 < target < 1:
         raise ValueError(f"{text!r}: give a target in (0, 1), or prefill:T / decode:T for one phase (the other dense)")
     return f"{phase}:{target:g}" if phase else f"{target:g}"
 
 
 def mode_xargs(mode: str) -> dict:
-    """The request's `vllm_xargs` for a mode (docs/serving.md's per-request targets)."""
+    """The request's `vllm_xargs` for a mode (the plugin's per-request target keys, docs/serving.md)."""
     if mode == "dense" or ":" not in mode:
-        return {"sparse_attn_target": mode if mode == "dense" else float(mode)}
+        return {TARGET_KEY: mode if mode == "dense" else float(mode)}
     phase, value = mode.split(":")
-    other = PHASES[1 - PHASES.index(phase)]
-    return {f"sparse_attn_{phase}_target": float(value), f"sparse_attn_{other}_target": "dense"}
+    return {key: float(value) if p == phase else "dense" for p, key in PHASE_TARGET_KEYS.items()}
 
 
 def ask(base: str, name: str, p: tg.TaskPrompt, mode: str, timeout: float, use_chat: bool) -> dict:
