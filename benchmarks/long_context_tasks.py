@@ -61,7 +61,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
     sparse_metrics,
     tile_counts,
 )
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import PHASE_TARGET_KEYS, TARGET_KEY
+from modelopt_ext.torch.sparsity.attention_sparsity.request_keys import PHASE_TARGET_KEYS, TARGET_KEY
 
 log = logging.getLogger("long_context_tasks")
 REPO = Path(__file__).resolve().parent.parent

@@ -39,17 +39,12 @@ from typing import Any
 import numpy as np
 
 from ...checkpoint.config_io import SparseAttentionSettings
+from ...request_keys import DENSE, FEEDBACK_KEY, KEY_PREFIX, KEYS, PHASE_TARGET_KEYS, TARGET_KEY
 from .compat import v2_row_slots, v2_row_slots_problem
 from .context import PHASES, phase_law
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "sparse_attn_"
-TARGET_KEY = "sparse_attn_target"
-PHASE_TARGET_KEYS = {"prefill": "sparse_attn_prefill_target", "decode": "sparse_attn_decode_target"}
-FEEDBACK_KEY = "sparse_attn_decode_feedback"
-KEYS = (TARGET_KEY, *PHASE_TARGET_KEYS.values(), FEEDBACK_KEY)
-DENSE = "dense"
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 Law = tuple[float, float, float, float]  # (c_prefill, c_decode, γ_prefill, γ_decode): ln λ = c - γ·ln n
