@@ -4,10 +4,11 @@
     model = mtsa.sparsify(model, mtsa.SKIP_SOFTMAX_CALIB, forward_loop)   # sparsify + calibrate
     mtsa.export_sparse_attention_config(model, ckpt_dir)                   # write the checkpoint block
 
-Attributes load lazily (PEP 562): importing this package, or its vLLM-side submodules such as
-`plugins.sparse_attn_config`, imports neither ModelOpt nor transformers nor vLLM. The ModelOpt mode is registered
-at import when ModelOpt is already imported, else when the first `mtsa.<name>` is used; in a fresh process that
-imports mtsa before ModelOpt and goes straight to `mto.restore`, call `mtsa.register_mode()` first.
+Attributes load lazily (PEP 562): importing this package, or the submodules the vLLM plugin reads checkpoints with
+(`checkpoint.config_io`, `checkpoint.resolve`), imports neither ModelOpt nor transformers nor vLLM. The ModelOpt
+mode is registered at import when ModelOpt is already imported, else when the first `mtsa.<name>` is used; in a
+fresh process that imports mtsa before ModelOpt and goes straight to `mto.restore`, call `mtsa.register_mode()`
+first.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version 5).
+"""Compiled CPU backend of `paged_skip_softmax_attention` (docs/skip_softmax.md, version `semantics.CONTRACT_VERSION`).
 
 The kernel is C++: one compiled file, `csrc/skip_softmax_cpu.cpp`, and the headers beside it (`csrc/*.h`, one per
 instruction-set path), built with `torch.utils.cpp_extension.load` (g++ and ninja) the first time it is needed and
 cached: a second process, or a second run of `make`, loads the cached library in well under a second. The build
 directory is keyed on everything the binary depends on (the source and every header, torch version and ABI,
-compiler flags, the CPU's instruction set), so two environments or machines sharing a cache never load each
-other's builds, and an edit to any header builds anew. It is built with `-march=native` for the machine it runs on.
+compiler flags, the CPU's instruction set, the contract's numbers), so two environments or machines sharing a cache
+never load each other's builds, and an edit to any header builds anew. It is built with `-march=native` for the
+machine it runs on. The contract's numbers (TILE_K, SPLIT_TOKENS, DECISION_BLOCK_ROWS, RECENT_WINDOW, the version)
+are not written in the C++: they come from semantics.py as -D defines (`contract_defines`), and the built library
+reports them back (`compiled_contract`).
 
 Where it cannot build (no compiler, no ninja, a failing compile) `unavailable_reason()` says why and `auto` uses
 the PyTorch reference; `MODELOPT_EXT_CPU_KERNEL=0` switches it off. The cache lives in `$MODELOPT_EXT_CACHE_DIR`,
@@ -26,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from . import semantics
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "skip_softmax_cpu.cpp"
@@ -34,6 +39,9 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # elsewhere in the source (code placement); with it, the same source decoded 1.02-1.09x faster (Xeon with AMX).
 _CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-falign-loops=64")
 _LDFLAGS = ("-fopenmp",)
+# semantics.py's names of the numbers the C++ takes as -D defines (MODELOPT_EXT_<name>, csrc/common.h), in the order
+# the op `contract` reports them.
+CONTRACT_NAMES = ("CONTRACT_VERSION", "TILE_K", "SPLIT_TOKENS", "DECISION_BLOCK_ROWS", "RECENT_WINDOW")
 DISABLE_ENV = "MODELOPT_EXT_CPU_KERNEL"
 AMX_ENV = "MODELOPT_EXT_CPU_AMX"  # 0: bf16 stays off AMX tiles on CPUs with them
 DOT_ENV = "MODELOPT_EXT_CPU_BF16_DOT"  # 0: bf16 prefill stays on the fp32 vector path where AMX tiles are not used
@@ -67,6 +75,15 @@ def headers() -> list[Path]:
     return sorted(SOURCE.parent.glob("*.h"))
 
 
+def contract_defines() -> tuple[str, ...]:
+    """semantics.py's contract numbers as the -D defines the kernel is compiled with (its only source of them)."""
+    return tuple(f"-DMODELOPT_EXT_{name}={int(getattr(semantics, name))}" for name in CONTRACT_NAMES)
+
+
+def _cflags() -> tuple[str, ...]:
+    return (*_CFLAGS, *contract_defines())
+
+
 def build_key() -> str:
     """Hash of everything the compiled library depends on."""
     h = hashlib.sha256()
@@ -74,7 +91,7 @@ def build_key() -> str:
     for header in headers():  # name and text: an edit to any header, or a header added or removed, builds anew
         h.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     parts = (torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version.split()[0], platform.machine(),
-             " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_signature())
+             " ".join(_cflags()), " ".join(_LDFLAGS), _cpu_signature())
     for part in parts:
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
@@ -118,8 +135,8 @@ def _build_lock(build_dir: Path):
 
 def compile_extension(name: str, source: Path, build_dir: Path) -> None:
     """Build (or load the cached build of) the C++ file `source` as torch extension `name` in `build_dir`, with the
-    kernel's flags; the headers it includes are found beside it (ninja rebuilds when one changes). Safe against
-    concurrent builds and against builds that were killed midway."""
+    kernel's flags and semantics.py's contract numbers (`contract_defines`); the headers it includes are found beside
+    it (ninja rebuilds when one changes). Safe against concurrent builds and against builds that were killed midway."""
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +144,7 @@ def compile_extension(name: str, source: Path, build_dir: Path) -> None:
         cpp_extension.load(
             name=name,
             sources=[str(source)],
-            extra_cflags=list(_CFLAGS),
+            extra_cflags=list(_cflags()),
             extra_ldflags=list(_LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
@@ -199,6 +216,14 @@ def bf16_dot(enable: bool | None = None) -> bool:
     if _load()[0] is None:
         return False
     return bool(torch.ops.modelopt_ext_cpu.bf16_dot(enable))
+
+
+def compiled_contract() -> dict[str, int] | None:
+    """The contract numbers the loaded library was built with (`CONTRACT_NAMES` to values; semantics.py's own unless
+    the build went wrong), or None when the compiled kernel is unavailable."""
+    if _load()[0] is None:
+        return None
+    return dict(zip(CONTRACT_NAMES, (int(v) for v in torch.ops.modelopt_ext_cpu.contract()), strict=True))
 
 
 def bf16_engine() -> str:

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+# The version of docs/skip_softmax.md every path implements (defined once, free of torch, for the checkpoint too).
+from ..contract_version import CONTRACT_VERSION as CONTRACT_VERSION
+
 TILE_K = 64
 """Keys per tile, aligned to absolute key positions."""
 
@@ -23,9 +26,6 @@ DECODE_SPLIT_TOKENS = SPLIT_TOKENS
 
 TILE_Q = 64
 """Rows per work block of the kernels (a multiple of `DECISION_BLOCK_ROWS`, aligned the same way)."""
-
-CONTRACT_VERSION = 5
-"""The version of docs/skip_softmax.md every path implements (4: block / group decisions and the recent window)."""
 
 DECISION_BLOCK_ROWS = 64
 """Prompt rows decide per aligned block of this many absolute positions (`pos // DECISION_BLOCK_ROWS`) of one query

@@ -1,6 +1,8 @@
-"""Names and numbers of the `sparse_attention_config` block and of mtsa's mode config (no imports)."""
+"""Names and numbers of the `sparse_attention_config` block and of mtsa's mode config (no heavy imports)."""
 
 from __future__ import annotations
+
+from modelopt_ext.torch.kernels.sparsity import contract_version as _contract_version
 
 PHASES = ("prefill", "decode")
 
@@ -36,10 +38,10 @@ CALIBRATION_KEYS = (
     "reference_length",
     "contract_version",
 )
-# The version of docs/skip_softmax.md our calibrations are made under (equal to
-# modelopt_ext.torch.kernels.sparsity.attention.semantics.CONTRACT_VERSION; a test checks). Written into the
-# skip_softmax group as `contract_version`: a calibration made under another version means something else by λ.
-CONTRACT_VERSION = 5
+# The version of docs/skip_softmax.md our calibrations are made under: the kernels' own, defined once in
+# modelopt_ext.torch.kernels.sparsity.contract_version (no torch there). Written into the skip_softmax group as
+# `contract_version`: a calibration made under another version means something else by λ.
+CONTRACT_VERSION = _contract_version.CONTRACT_VERSION
 
 # Mode config (sparse_cfg).
 METHODS = ("skip_softmax",)

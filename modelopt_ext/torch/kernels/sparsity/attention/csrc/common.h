@@ -41,11 +41,23 @@
 
 namespace {
 
-constexpr int kTileK = 64;        // semantics.TILE_K
-constexpr int kSplitTokens = 2048;  // semantics.SPLIT_TOKENS
+// The contract's numbers (docs/skip_softmax.md) have one source, semantics.py: cpu_kernel.py passes them as -D
+// defines (cpu_kernel.contract_defines(), part of the build key) and the library reports them back (op `contract`).
+#if !defined(MODELOPT_EXT_CONTRACT_VERSION) || !defined(MODELOPT_EXT_TILE_K) || !defined(MODELOPT_EXT_SPLIT_TOKENS) || \
+    !defined(MODELOPT_EXT_DECISION_BLOCK_ROWS) || !defined(MODELOPT_EXT_RECENT_WINDOW)
+#error "build with cpu_kernel.py: it passes semantics.py's constants as -D defines (cpu_kernel.contract_defines())"
+#endif
+constexpr int kContractVersion = MODELOPT_EXT_CONTRACT_VERSION;
+constexpr int kTileK = MODELOPT_EXT_TILE_K;                   // keys per tile, aligned to absolute positions
+constexpr int kSplitTokens = MODELOPT_EXT_SPLIT_TOKENS;       // keys per split: the reference max restarts at each
 constexpr int kSplitTiles = kSplitTokens / kTileK;
-constexpr int kDecisionRows = 64;   // semantics.DECISION_BLOCK_ROWS: prompt rows decide per aligned block of this many
-constexpr int kRecentWindow = 128;  // semantics.RECENT_WINDOW: a row never drops a tile of its most recent keys
+constexpr int kDecisionRows = MODELOPT_EXT_DECISION_BLOCK_ROWS;  // prompt rows decide per aligned block of this many
+constexpr int kRecentWindow = MODELOPT_EXT_RECENT_WINDOW;    // a row never drops a tile of its most recent keys
+// What the code below is written for: a different TILE_K needs new packed bf16 paths (two 32-key steps per tile,
+// AMX tiles of 16 keys), not only a new number.
+static_assert(kTileK == 64, "the packed bf16 paths (AMX tiles, VDPBF16PS) are written for 64-key tiles");
+static_assert(kSplitTokens > 0 && kSplitTokens % kTileK == 0, "a split holds whole tiles");
+static_assert(kDecisionRows > 0 && kRecentWindow >= 0, "decision blocks hold rows; the recent window is not negative");
 constexpr int kMaxChunks = kTileK / 16;  // most score column blocks per tile (16 keys each): sizes the prefetch list
 constexpr float kLazyRescale = 8.f;       // packed bf16 path: raise a row's softmax max only past max + this
 constexpr int kPrefetchPerStep = 4;      // prefetch slots per score micro-kernel step (one step per head dim)

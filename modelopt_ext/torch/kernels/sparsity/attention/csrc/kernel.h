@@ -273,7 +273,7 @@ class Kernel {
     }
   }
 
-  // The decisions of tile t (docs/skip_softmax.md "The skip test", version 5) for the rows m_lo..M-1 that visit it,
+  // The decisions of tile t (docs/skip_softmax.md "The skip test") for the rows m_lo..M-1 that visit it,
   // their tile maxima in sc.g: a unit — the prompt rows of one aligned block of kDecisionRows positions of one head,
   // or the heads of one decode row's GQA group — drops the tile iff the largest effective gap of its members is
   // below their (shared) ln λ. An item holds whole units: its rows start at the call's first row or at a multiple of

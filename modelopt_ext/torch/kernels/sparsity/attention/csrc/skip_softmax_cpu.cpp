@@ -1,4 +1,5 @@
-// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, version 5).
+// Compiled CPU kernel of paged skip-softmax attention (docs/skip_softmax.md, the contract version that
+// semantics.CONTRACT_VERSION names; its numbers come from semantics.py at build time: common.h).
 //
 // One work item is (sequence, KV head, block of query rows[, key split]). Its rows are the (query row, query head)
 // pairs of the block that share the KV head (GQA), m = r * group + h; its row blocks are aligned to absolute
@@ -329,6 +330,12 @@ bool bf16_dot(std::optional<bool> enable) {
   return dot_active();
 }
 
+// The contract this library was built for (the -D defines from semantics.py): version, TILE_K, SPLIT_TOKENS,
+// DECISION_BLOCK_ROWS, RECENT_WINDOW.
+std::vector<int64_t> contract() {
+  return {kContractVersion, kTileK, kSplitTokens, kDecisionRows, kRecentWindow};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modelopt_ext_cpu, m) {
@@ -339,6 +346,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
       "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
   m.def("bf16_dot(bool? enable=None) -> bool", &bf16_dot);
+  m.def("contract() -> int[]", &contract);
 }
 
 TORCH_LIBRARY_IMPL(modelopt_ext_cpu, CPU, m) { m.impl("skip_softmax_attention", &skip_softmax_attention); }
