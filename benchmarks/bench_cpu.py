@@ -129,7 +129,7 @@ class KernelCase:
         import torch
         from vllm import _custom_ops as ops
 
-        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import _cpu_attn_kv_cache_views
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import cpu_attn_kv_cache_views
 
         self.ops = ops
         # vLLM's choice (`amx` for bf16 on AMX CPUs): the sparse layers read it in place, as the native kernel does.
@@ -168,11 +168,11 @@ class KernelCase:
         self.caches = [cache] + [cache.clone() for _ in range(copies - 1)]
         native_caches = self.caches if native_cache is cache else [native_cache.clone() for _ in range(copies)]
         self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in native_caches]
-        self.our_views = [_cpu_attn_kv_cache_views(c, HEAD, self.our_isa) for c in self.caches]
+        self.our_views = [cpu_attn_kv_cache_views(c, HEAD, self.our_isa) for c in self.caches]
         self.baseline_views = self.our_views
         if self.baseline_isa != self.our_isa:
             base = written(self.baseline_isa)
-            self.baseline_views = [_cpu_attn_kv_cache_views(c, HEAD, self.baseline_isa)
+            self.baseline_views = [cpu_attn_kv_cache_views(c, HEAD, self.baseline_isa)
                                    for c in [base] + [base.clone() for _ in range(copies - 1)]]
         self.cu = torch.tensor([b * q_len for b in range(batch + 1)], dtype=torch.int32)
         self.seq_lens = torch.full((batch,), kv_len, dtype=torch.int32)

@@ -358,7 +358,7 @@ def ours_launch(inp: Inputs, lam_t, backend: str, **launch_kw):
     that a small decode call on a GPU does not hide; it is still what the outputs and counts are checked with.)
     `launch_kw` go to the launch (e.g. the Triton kernels' `config`). Returns run(copy) -> (out, counts) for inputs
     of the same shape; both are the persistent buffers, rewritten by the next call."""
-    from modelopt_ext.torch.kernels.sparsity.attention.api import _resolve_backend, kernel_launcher
+    from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher, resolve_backend
     from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
         decode_workspace_numel,
         default_prompt_lens,
@@ -373,7 +373,7 @@ def ours_launch(inp: Inputs, lam_t, backend: str, **launch_kw):
     prompts = default_prompt_lens(inp.cu_seqlens_q, inp.seq_lens_k)
     out = torch.empty_like(inp.q)
     counts = None if log_sf is None else torch.zeros(s.batch, 1, 2, dtype=torch.int64, device=device)
-    resolved = _resolve_backend(backend, inp.q, inp.k_cache)
+    resolved = resolve_backend(backend, inp.q, inp.k_cache)
     workspace = None
     if resolved == "triton":
         n_acc, n_ml = decode_workspace_numel(s.batch, s.hq, s.head_dim, s.kv_len)

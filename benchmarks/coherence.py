@@ -26,7 +26,7 @@ the decision a kernel can act on) the λ it needs for its skipped work to equal 
 results, beside the per-row sparsity the contract would give at that λ (the block rule drops a subset of it).
 
 Decisions are the package reference's: tile maxima, the split-restarting reference max
-(`reference._exclusive_running_max`) and the `gap < ln λ` test, vectorised over rows and computed once per
+(`reference.exclusive_running_max`) and the `gap < ln λ` test, vectorised over rows and computed once per
 capture as each row-tile's gap g[t] − m[t] (float32 for float16 / float32 inputs, float64 for float64), so any λ
 is a comparison; the unit test checks the counts against `paged_skip_softmax_attention(backend="torch")`.
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from modelopt_ext.torch.kernels.sparsity.attention.reference import _exclusive_running_max
+from modelopt_ext.torch.kernels.sparsity.attention.reference import exclusive_running_max
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import (
     RECENT_WINDOW,
     SPLIT_TOKENS,
@@ -110,7 +110,7 @@ def score_gaps(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     heads, rows, keys = scores.shape
     n_tiles = keys // TILE_K
     tile_max = scores.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [H, R, nt]
-    gap = tile_max - torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
+    gap = tile_max - torch.maximum(exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
     visited = (torch.arange(n_tiles, device=scores.device) * TILE_K)[None, :] <= positions[:, None]  # [R, nt]
     gap = torch.where(visited.unsqueeze(0), gap, torch.full_like(gap, -math.inf))
     gap[..., 0] = math.inf

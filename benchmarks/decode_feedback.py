@@ -100,7 +100,7 @@ def _ppl(logprobs: list[float]) -> float:
 
 def run(model, config_path, target: float, lengths, sources, seeds, skip: int, tokens: int, dtype: str) -> dict:
     """The per-document view at one target (see the module docstring); a JSON-ready dict."""
-    from fidelity_engine import _shutdown, start_engine
+    from fidelity_engine import start_engine
     from forced_continuation import FQCN
     from transformers import AutoConfig, AutoTokenizer
 
@@ -110,6 +110,7 @@ def run(model, config_path, target: float, lengths, sources, seeds, skip: int, t
         parse_sparse_attention_config,
         write_sparse_attention_config,
     )
+    from modelopt_ext.torch.sparsity.attention_sparsity.cli.engine_control import shutdown_engine
 
     config = json.loads(Path(config_path).read_text())
     block = config.get("sparse_attention_config", config)
@@ -135,7 +136,7 @@ def run(model, config_path, target: float, lengths, sources, seeds, skip: int, t
             logger.info("%s: %d documents teacher-forced for %d tokens, %.0f s", mode, len(items), total,
                         time.time() - t0)  # fmt: skip
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
         tmp.cleanup()
     rows = []
     for i, (source, length, seed, ids, _) in enumerate(items):

@@ -266,6 +266,8 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
     """The whole engine path; returns the result dict that fidelity.py reports."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from modelopt_ext.torch.sparsity.attention_sparsity.cli.engine_control import shutdown_engine
+
     ckpt = Path(args.model).resolve()
     calib_seconds = None
     if args.config:
@@ -307,7 +309,7 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
             alone_c = count_trials(llm, prompts, [trial_law(fits[law], t) for law, t in keys], args.decode_tokens)
             counted = {key: [a[:, k] for a in alone_c] for k, key in enumerate(keys)}
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)  # its processes now, not at garbage collection
 
     cells = []
     for source in sources:
@@ -339,10 +341,3 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         fits=fits_record(fits, laws, targets),
         cells=cells, batch_check=batch_check, quality=quality or None,
     )  # fmt: skip
-
-
-def _shutdown(llm) -> None:
-    """The calibration command's own engine stop (its processes now, not at garbage collection)."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.cli.engine_control import shutdown_engine
-
-    shutdown_engine(llm)

@@ -330,12 +330,12 @@ def test_auto_dispatch(caplog):
     backend='cpu' refuses float64 with the fix named."""
     for dtype in DTYPES:
         case = make_case([3], [3], dtype=dtype, seed=45)
-        assert api._resolve_backend("auto", case.q, case.k_cache) == "cpu"
+        assert api.resolve_backend("auto", case.q, case.k_cache) == "cpu"
     case = make_case([3], [3], dtype=torch.float64, seed=46)
     api._warn_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=api.__name__):
         for _ in range(3):
-            assert api._resolve_backend("auto", case.q, case.k_cache) == "torch"
+            assert api.resolve_backend("auto", case.q, case.k_cache) == "torch"
             run(case, "auto")
     warnings = [r for r in caplog.records if "using the PyTorch reference" in r.getMessage()]
     assert len(warnings) == 1 and "float64" in warnings[0].getMessage()
@@ -801,7 +801,7 @@ def test_vllm_amx_cache_layout_in_the_reference_and_auto():
     ref_amx, c_amx = run(case, "torch", skip_threshold=lam, counts=True)
     ref_vec, c_vec = run(vec, "torch", skip_threshold=lam, counts=True)
     assert torch.equal(ref_amx, ref_vec) and torch.equal(c_amx, c_vec)
-    assert api._resolve_backend("auto", case.q, case.k_cache) == "cpu"
+    assert api.resolve_backend("auto", case.q, case.k_cache) == "cpu"
     f32 = make_case([40, 1], [40, 100], layout="cpu_amx", dtype=torch.float32, **kw)
     assert "amx layout" in cpu_kernel.unsupported_reason(f32.q, f32.k_cache)
     with pytest.raises(RuntimeError, match="amx layout"):

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from . import cpu_kernel
 from .reference import paged_skip_softmax_attention_reference
 from .semantics import check_inputs, checked_sinks, default_prompt_lens, normalize_thresholds
 
@@ -31,7 +32,7 @@ def _warn_fallback(reason: str) -> None:
 @functools.cache
 def triton_available() -> bool:
     """True when Triton imports (on the CPU it runs only under TRITON_INTERPRET=1, set before import)."""
-    try:
+    try:  # imported here, not at module level: Triton is optional, and it reads TRITON_INTERPRET when imported
         import triton  # noqa: F401
     except Exception:  # pragma: no cover - depends on the environment
         return False
@@ -46,21 +47,19 @@ def choose_backend(device_type: str, dtype=None, q=None, k_cache=None) -> tuple[
     CUDA Triton where it is installed and covers the input; otherwise the PyTorch reference, with the reason.
     """
     if device_type == "cpu":
-        from .cpu_kernel import CPU_KERNEL_DTYPES, unavailable_reason, unsupported_reason
-
         if q is not None:
-            reason = unsupported_reason(q, k_cache)
-        elif dtype is not None and dtype not in CPU_KERNEL_DTYPES:
+            reason = cpu_kernel.unsupported_reason(q, k_cache)
+        elif dtype is not None and dtype not in cpu_kernel.CPU_KERNEL_DTYPES:
             reason = f"the compiled CPU kernel does not cover {dtype}"
         else:
-            reason = unavailable_reason()
+            reason = cpu_kernel.unavailable_reason()
         return ("torch", reason) if reason is not None else ("cpu", None)
     if device_type != "cuda":
         return "torch", f"no fast kernel for {device_type} tensors"
     if not triton_available():
         return "torch", "triton is not installed"
     if q is not None:
-        from .triton_kernel import unsupported_reason
+        from .triton_kernel import unsupported_reason  # Triton is optional (triton_available above)
 
         reason = unsupported_reason(q, k_cache)
         if reason is not None:
@@ -68,7 +67,10 @@ def choose_backend(device_type: str, dtype=None, q=None, k_cache=None) -> tuple[
     return "triton", None
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """The backend `paged_skip_softmax_attention(..., backend=backend)` runs on this input: "auto" resolved by
+    `choose_backend` (a fallback's reason logged once), an explicit backend checked (RuntimeError where it cannot
+    run the input)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -79,9 +81,7 @@ def _resolve_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> st
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
     if backend == "cpu":
-        from .cpu_kernel import unsupported_reason as cpu_reason
-
-        reason = cpu_reason(q, k_cache)
+        reason = cpu_kernel.unsupported_reason(q, k_cache)
         if reason is not None:
             raise RuntimeError(f"backend='cpu' cannot run this input: {reason}; use backend='auto' or 'torch'")
     return backend
@@ -107,15 +107,15 @@ def _checked_softcap(logits_soft_cap: float | None) -> float:
 def _run_backend(chosen: str, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k, **kwargs):
     """Run the resolved backend on already normalized arguments; its counts (None when it counts nothing)."""
     if chosen == "triton":
-        from .triton_kernel import paged_skip_softmax_attention_triton
+        from .triton_kernel import paged_skip_softmax_attention_triton  # Triton is optional (triton_available)
 
         return paged_skip_softmax_attention_triton(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k, **kwargs
         )
     if chosen == "cpu":
-        from .cpu_kernel import paged_skip_softmax_attention_cpu
-
-        return paged_skip_softmax_attention_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
+        return cpu_kernel.paged_skip_softmax_attention_cpu(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs
+        )
     return paged_skip_softmax_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, **kwargs)
 
 
@@ -189,7 +189,7 @@ def paged_skip_softmax_attention(
     softcap = _checked_softcap(logits_soft_cap)
     sinks = checked_sinks(sinks, q.shape[1], q.device)
 
-    chosen = _resolve_backend(backend, q, k_cache)
+    chosen = resolve_backend(backend, q, k_cache)
     counts = _run_backend(
         chosen, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate,
@@ -236,11 +236,9 @@ def kernel_launcher(backend: str):
     Resolved once per backend (cached).
     """
     if backend == "cpu":
-        from .cpu_kernel import launch_cpu
-
-        return launch_cpu
+        return cpu_kernel.launch_cpu
     if backend == "triton":
-        from .triton_kernel import launch_triton
+        from .triton_kernel import launch_triton  # Triton is optional (triton_available)
 
         return _adding_totals(launch_triton)
     if backend == "torch":

@@ -63,7 +63,7 @@ def _zero_past(x: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
     return x.masked_fill((pos.unsqueeze(0) >= kv_lens.unsqueeze(1))[:, :, None, None], 0.0)
 
 
-def _exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None) -> torch.Tensor:
+def exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None) -> torch.Tensor:
     """Running max over previous tiles along the last dim; resets to -inf at each split start."""
     n_tiles = tile_max.shape[-1]
     if blocks_per_split is None or blocks_per_split >= n_tiles:
@@ -74,7 +74,7 @@ def _exclusive_running_max(tile_max: torch.Tensor, blocks_per_split: int | None)
     pad = n_splits * blocks_per_split - n_tiles
     padded = torch.nn.functional.pad(tile_max, (0, pad), value=-math.inf)
     shaped = padded.reshape(*tile_max.shape[:-1], n_splits, blocks_per_split)
-    return _exclusive_running_max(shaped, None).reshape(*tile_max.shape[:-1], -1)[..., :n_tiles]
+    return exclusive_running_max(shaped, None).reshape(*tile_max.shape[:-1], -1)[..., :n_tiles]
 
 
 def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Tensor, sinks=None,
@@ -94,7 +94,7 @@ def _drop_decisions(s: torch.Tensor, positions: torch.Tensor, log_lams: torch.Te
     """
     n_tiles = s.shape[-1] // TILE_K
     tile_max = s.unflatten(-1, (n_tiles, TILE_K)).amax(-1)  # [N, Hkv, g, R, nt]; -inf where nothing visible
-    ref = torch.maximum(_exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
+    ref = torch.maximum(exclusive_running_max(tile_max, _SPLIT_TILES), tile_max[..., :1])
     if sinks is not None:
         ref = torch.maximum(ref, sinks.to(ref.dtype)[None, :, :, None, None])
     tiles = torch.arange(n_tiles, device=s.device)

@@ -96,7 +96,7 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
     kv_cache = torch.zeros(b.nb, 2, page, 2 * dim, dtype=dtype)
     key_cache, value_cache = kv_cache.view(b.nb, 2, 2 * page, dim).chunk(2, dim=2)  # as cpu_attn.py does
     ops.cpu_attn_reshape_and_cache(b.k, b.v, key_cache, value_cache, b.slots, isa)
-    k, v = plug._cpu_attn_kv_cache_views(kv_cache, dim, isa)
+    k, v = plug.cpu_attn_kv_cache_views(kv_cache, dim, isa)
     assert k.data_ptr() == kv_cache.data_ptr(), "zero-copy views"
     assert torch.equal(_at_slots(k, b.slots, page), b.k)
     assert torch.equal(_at_slots(v, b.slots, page), b.v)

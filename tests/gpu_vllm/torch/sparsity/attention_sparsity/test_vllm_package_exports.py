@@ -13,8 +13,6 @@ PACKAGE = "modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm"
 # Private names kept importable from the package itself (not listed in `__all__`).
 PRIVATE_REEXPORTS = (
     "_flashinfer_kv_cache_views",
-    "_flash_attn_kv_cache_views",
-    "_cpu_attn_kv_cache_views",
     "_BACKEND_BY_NATIVE",
     "_SPARSE_BY_NATIVE",
     "_SPARSE_CLASSES",
@@ -36,12 +34,23 @@ def test_every_name_in_all_resolves():
 
 
 def test_flashinfer_kv_cache_views_is_importable_from_the_package():
+    """The published name `_flashinfer_kv_cache_views` stays, from the package and from kv_cache, as the public
+    `flashinfer_kv_cache_views`."""
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import _flashinfer_kv_cache_views
     from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import (
         _flashinfer_kv_cache_views as defined,
     )
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import flashinfer_kv_cache_views
 
-    assert _flashinfer_kv_cache_views is defined and callable(_flashinfer_kv_cache_views)
+    assert _flashinfer_kv_cache_views is defined is flashinfer_kv_cache_views
+    assert callable(_flashinfer_kv_cache_views)
+
+
+@pytest.mark.parametrize("name", ("flashinfer_kv_cache_views", "flash_attn_kv_cache_views", "cpu_attn_kv_cache_views"))
+def test_kv_cache_views_are_public(name):
+    package = importlib.import_module(PACKAGE)
+    assert name in package.__all__
+    assert getattr(package, name) is getattr(importlib.import_module(f"{PACKAGE}.kv_cache"), name)
 
 
 @pytest.mark.parametrize("name", PRIVATE_REEXPORTS)

@@ -83,10 +83,10 @@ def _shares_storage(view: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def _views_for(kind, kv_cache):
     if kind == "cpu":
-        return plug._cpu_attn_kv_cache_views(kv_cache, D, "vec")
+        return plug.cpu_attn_kv_cache_views(kv_cache, D, "vec")
     if kind.startswith("fa_"):
-        return plug._flash_attn_kv_cache_views(kv_cache, D)
-    return plug._flashinfer_kv_cache_views(kv_cache, D)
+        return plug.flash_attn_kv_cache_views(kv_cache, D)
+    return plug.flashinfer_kv_cache_views(kv_cache, D)
 
 
 @pytest.mark.parametrize("kind", CACHE_KINDS)
@@ -106,7 +106,7 @@ def test_views_are_zero_copy_and_address_the_layout(kind):
 def test_cpu_views_match_vllm_cpu_attn_split():
     """CPU_ATTN views the cache as [B, H, 2N, D] and chunks it: K region (transposed) then V region."""
     cache = make_cache("cpu", 4, 32, 2, 64)
-    k, v = plug._cpu_attn_kv_cache_views(cache.kv_cache, 64, "vec16")
+    k, v = plug.cpu_attn_kv_cache_views(cache.kv_cache, 64, "vec16")
     key_cache, value_cache = cache.kv_cache.view(4, 2, 64, 64).chunk(2, dim=2)  # exactly cpu_attn.py's split
     torch.testing.assert_close(v, value_cache.transpose(1, 2), rtol=0, atol=0)
     torch.testing.assert_close(k, key_cache.reshape(4, 2, 64, 32).permute(0, 3, 1, 2), rtol=0, atol=0)
@@ -120,7 +120,7 @@ def test_cpu_amx_views_and_writer_follow_the_measured_layout():
     absent) writes them and skips padding slots."""
     nb, heads, page, d = 3, 2, 64, 32
     cache = torch.randn(nb, heads, page, 2 * d).to(torch.bfloat16)
-    k, v = plug._cpu_attn_kv_cache_views(cache, d, "amx")
+    k, v = plug.cpu_attn_kv_cache_views(cache, d, "amx")
     assert k.data_ptr() == cache.data_ptr() and k.dim() == v.dim() == 6
     flat = cache.view(nb, heads, -1)
     t, dd = torch.arange(page)[:, None], torch.arange(d)[None, :]
@@ -158,7 +158,7 @@ def test_packed_views_match_vllm_flashinfer_read_path():
         k_phys = cache.kv_cache.permute(*order).split(D, dim=-1)[0]
         inverse = [order.index(i) for i in range(4)]
         k_logical = k_phys.permute(*inverse)  # back to [B, H, N, D]
-        k, _ = plug._flashinfer_kv_cache_views(cache.kv_cache, D)
+        k, _ = plug.flashinfer_kv_cache_views(cache.kv_cache, D)
         torch.testing.assert_close(k, k_logical.transpose(1, 2), rtol=0, atol=0)
 
 
@@ -168,26 +168,26 @@ def test_packed_views_match_vllm_flashinfer_read_path():
 )
 def test_flashinfer_views_reject_unknown_shapes(shape):
     with pytest.raises(ValueError, match=r"unsupported FlashInfer KV cache: shape .*Supported layouts"):
-        plug._flashinfer_kv_cache_views(torch.zeros(shape), D)
+        plug.flashinfer_kv_cache_views(torch.zeros(shape), D)
 
 
 def test_flash_attn_and_cpu_views_reject_bad_input():
     with pytest.raises(ValueError, match="ambiguous"):
-        plug._flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D)
-    k, _ = plug._flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D, kv_first=True)
+        plug.flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D)
+    k, _ = plug.flash_attn_kv_cache_views(torch.zeros(2, 2, PAGE, 2, D), D, kv_first=True)
     assert k.shape == (2, PAGE, 2, D)
     with pytest.raises(ValueError, match="unsupported FlashAttention KV cache"):
-        plug._flash_attn_kv_cache_views(torch.zeros(3, 3, PAGE, 2, D), D)
+        plug.flash_attn_kv_cache_views(torch.zeros(3, 3, PAGE, 2, D), D)
     with pytest.raises(ValueError, match="ISA 'neon'"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2 * D), D, "neon")
+        plug.cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2 * D), D, "neon")
     with pytest.raises(ValueError, match="ISA amx: bf16, page % 32 == 0"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, 32, 2 * D), D, "amx")  # float32
+        plug.cpu_attn_kv_cache_views(torch.zeros(4, 2, 32, 2 * D), D, "amx")  # float32
     with pytest.raises(ValueError, match="ISA amx: bf16, page % 32 == 0"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, 16, 2 * D, dtype=torch.bfloat16), D, "amx")
+        plug.cpu_attn_kv_cache_views(torch.zeros(4, 2, 16, 2 * D, dtype=torch.bfloat16), D, "amx")
     with pytest.raises(ValueError, match="unsupported CPU_ATTN KV cache"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2, D), D, "vec")
+        plug.cpu_attn_kv_cache_views(torch.zeros(4, 2, PAGE, 2, D), D, "vec")
     with pytest.raises(ValueError, match="block-head region must be contiguous"):
-        plug._cpu_attn_kv_cache_views(torch.zeros(4, PAGE, 2, 2 * D).transpose(1, 2), D, "vec")
+        plug.cpu_attn_kv_cache_views(torch.zeros(4, PAGE, 2, 2 * D).transpose(1, 2), D, "vec")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def _packed_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor,
     return k_and_v[..., :head_size], k_and_v[..., head_size:]
 
 
-def _flashinfer_kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def flashinfer_kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V `[num_blocks, page, Hkv, D]` views of a FlashInfer KV cache, zero-copy.
 
     Accepts the legacy 5D cache `[B, 2, N, H, D]` (HND is the same logical shape with permuted strides) and the
@@ -75,7 +75,11 @@ def _flashinfer_kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[
     raise _layout_error("FlashInfer", kv_cache, head_size, FLASHINFER_LAYOUTS)
 
 
-def _flash_attn_kv_cache_views(
+_flashinfer_kv_cache_views = flashinfer_kv_cache_views
+"""The published name of `flashinfer_kv_cache_views`: outside checks import it (from here and from the package)."""
+
+
+def flash_attn_kv_cache_views(
     kv_cache: torch.Tensor, head_size: int, kv_first: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V `[num_blocks, page, Hkv, D]` views of a FlashAttention KV cache, zero-copy.
@@ -105,7 +109,7 @@ def _flash_attn_kv_cache_views(
     raise _layout_error("FlashAttention", kv_cache, head_size, FLASH_ATTN_LAYOUTS)
 
 
-def _cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_attn_kv_cache_views(kv_cache: torch.Tensor, head_size: int, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V `[num_blocks, page, Hkv, D]` views of vLLM's CPU-attention cache, zero-copy.
 
     The cache is `[B, H, N, 2D]` but CPU_ATTN views it as `[B, H, 2N, D]`: per block and head a K region then a

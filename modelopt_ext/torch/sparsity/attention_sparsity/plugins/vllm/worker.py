@@ -15,11 +15,20 @@ import binascii
 import importlib
 import logging
 
+from ...checkpoint.calibration_records import encode_record
 from ...checkpoint.config_io import SparseAttentionSettings, parse_sparse_attention_config
 from .checks import checkpoint_settings
 from .env import DEFAULT_LOG_EVERY, kernel_backend_choice, log_every, sparse_attention_enabled
-from .install import DENSE_REASONS_ATTR
+from .install import DENSE_REASONS_ATTR, install_sparse_attention
+from .layers import attention_layers
 from .metrics import exporting, write_worker_totals
+from .stats import (
+    collect_calibration_records,
+    get_request_stats,
+    get_sparsity_stats,
+    is_sparse_layer,
+    reset_sparsity_stats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +64,10 @@ def export_worker_metrics(model, totals: dict) -> None:
 
 def served_layers(model) -> dict[str, str]:
     """{attention layer name: "" when it runs sparse, else the first reason it is kept dense} (for /metrics)."""
-    from .. import vllm as vllm_plugin
-
     out = {}
-    for name, layer in vllm_plugin._layers(model):
+    for name, layer in attention_layers(model):
         reasons = list(getattr(layer, DENSE_REASONS_ATTR, ()))
-        out[name] = "" if vllm_plugin.is_sparse_layer(layer) else (reasons[0] if reasons else "no sparse impl")
+        out[name] = "" if is_sparse_layer(layer) else (reasons[0] if reasons else "no sparse impl")
     return out
 
 
@@ -70,14 +77,12 @@ def install_for_serving(worker, settings: SparseAttentionSettings | None = None,
     `prepare_dense`: also install when the checkpoint carries no config (every layer then runs its native forward
     on the sparse backend, so a later calibration or serve RPC on this engine can switch it on).
     """
-    from .. import vllm as vllm_plugin
-
     if settings is None:
         settings = checkpoint_settings(worker)
     if settings is None and not prepare_dense:
         logger.info("checkpoint has no sparse_attention_config: serving dense attention")
         return None
-    report = vllm_plugin.install_sparse_attention(
+    report = install_sparse_attention(
         worker_model(worker),
         settings,
         mode="serve",
@@ -91,7 +96,7 @@ def install_for_serving(worker, settings: SparseAttentionSettings | None = None,
         return report
     if exporting():  # /metrics shows the layers from the start, not only after the first counter read
         model = worker_model(worker)
-        export_worker_metrics(model, summarize_stats(vllm_plugin.get_sparsity_stats(model)))
+        export_worker_metrics(model, summarize_stats(get_sparsity_stats(model)))
     backends = sorted(set(report.native_impls.values()))
     logger.info(
         "sparse attention serving on %d layer(s) (native impls: %s; %d kept dense); prefill %s, decode %s; "
@@ -127,11 +132,9 @@ class SparseAttnWorkerExtension:
 
         Takes and returns plain data (it crosses vLLM's RPC transports): the layer count and the native impls.
         """
-        from .. import vllm as vllm_plugin
-
         trials = None if scale_factors is None else [float(s) for s in scale_factors]
         settings = checkpoint_settings(self)
-        report = vllm_plugin.install_sparse_attention(
+        report = install_sparse_attention(
             worker_model(self),
             settings,
             mode="calibrate",
@@ -140,17 +143,14 @@ class SparseAttnWorkerExtension:
             calibration_laws=None if laws is None else [list(law) for law in laws],
             vllm_config=self.vllm_config,
         )
-        vllm_plugin.collect_calibration_records(worker_model(self), reset=True)
+        collect_calibration_records(worker_model(self), reset=True)
         return {"layers": len(report.native_impls), "native_impls": sorted(set(report.native_impls.values()))}
 
     def sparse_attn_collect_counts(self, reset: bool = True) -> list[dict]:
         """This rank's calibration records, one per layer, in their wire form: plain Python lists and numbers
         (`encode_record`), so they cross every vLLM process boundary (msgpack, pickle, Ray, JSON) unchanged;
         `merge_calibration_records` decodes them (checkpoint/calibration_records.py)."""
-        from ...checkpoint.calibration_records import encode_record
-        from .. import vllm as vllm_plugin
-
-        return [encode_record(r) for r in vllm_plugin.collect_calibration_records(worker_model(self), reset=reset)]
+        return [encode_record(r) for r in collect_calibration_records(worker_model(self), reset=reset)]
 
     def sparse_attn_serve(self, config_block: dict | None = None) -> dict:
         """(Re)install serve mode from a `sparse_attention_config` block, or from the checkpoint when None."""
@@ -160,18 +160,16 @@ class SparseAttnWorkerExtension:
 
     def sparse_attn_status(self) -> dict:
         """Which layers run sparse, on which native backend, in which mode, and the realized sparsity per phase."""
-        from .. import vllm as vllm_plugin
-
         model = worker_model(self)
         layers = {}
         kept_dense: dict[str, int] = {}
-        for name, layer in vllm_plugin._layers(model):
+        for name, layer in attention_layers(model):
             reasons = list(getattr(layer, DENSE_REASONS_ATTR, ()))
-            layers[name] = {"impl": type(layer.impl).__name__, "sparse": vllm_plugin.is_sparse_layer(layer),
+            layers[name] = {"impl": type(layer.impl).__name__, "sparse": is_sparse_layer(layer),
                             "dense_reasons": reasons}  # fmt: skip
             for reason in reasons:
                 kept_dense[reason] = kept_dense.get(reason, 0) + 1
-        stats = vllm_plugin.get_sparsity_stats(model)
+        stats = get_sparsity_stats(model)
         return {
             "enabled": sparse_attention_enabled(),
             "layers": layers,
@@ -184,14 +182,10 @@ class SparseAttnWorkerExtension:
         """Realized sparsity per request (running, and the last finished ones), per phase, on this rank:
         {engine request id: {"user_request_id", "finished", "prefill", "decode"}}; `request_ids` filters by the
         engine's id or the user's (vLLM's `RequestOutput.request_id`). Model runner V1 or V2."""
-        from .stats import get_request_stats
-
         return get_request_stats(worker_model(self), request_ids)
 
     def sparse_attn_reset_stats(self) -> None:
-        from .. import vllm as vllm_plugin
-
-        vllm_plugin.reset_sparsity_stats(worker_model(self))
+        reset_sparsity_stats(worker_model(self))
 
 
 def _maybe_log_sparsity(worker) -> None:
@@ -201,10 +195,8 @@ def _maybe_log_sparsity(worker) -> None:
     worker._sparse_attn_steps = getattr(worker, "_sparse_attn_steps", 0) + 1
     if worker._sparse_attn_steps % (every or DEFAULT_LOG_EVERY) or not (every or exporting()):
         return  # nothing to log or export: no read of the counters (it syncs with the device)
-    from .. import vllm as vllm_plugin
-
     model = worker_model(worker)
-    totals = summarize_stats(vllm_plugin.get_sparsity_stats(model))
+    totals = summarize_stats(get_sparsity_stats(model))
     export_worker_metrics(model, totals)
     if every and any(t["visited"] for t in totals.values()):
         logger.info(
