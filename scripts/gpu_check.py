@@ -20,8 +20,9 @@ a phase that times out is killed and the next one still runs, and every phase wr
 4. graphs       -> graphs.log, graphs/graphs.json|txt (benchmarks/bench_decode_graphs.py: the CUDA-graph self-test
                    the vLLM plugin runs at engine start, on the Triton kernel without vLLM, and decode latency eager
                    vs graph replay at batch 1/8/64 with 8k-token contexts; issue #26)
-5. tune         -> tune.log, tune/tune.json|txt (benchmarks/tune_triton.py: the kernels' launch configurations and
-                   skip modes against the default in one run, through the launch path the vLLM plugin uses);
+5. tune         -> tune.log, tune/tune.json|txt (benchmarks/studies/tune_triton.py: the kernels' launch
+                   configurations and skip modes against the default in one run, through the launch path the vLLM
+                   plugin uses);
                    tune_d64.log, tune_d64/: the same for D = 64 prefill (its default has not run on a GPU yet)
 6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt (on the captured real
                    attention in .cache/attention_inputs/, which must be carried along: checked before anything runs)
@@ -66,7 +67,7 @@ D64_CONFIGS = (";prefill_split_causal=True,prefill_skip=exp;prefill_split_causal
 DRY_RUN_PHASE_TIMEOUT = 600.0
 BENCH = REPO / "benchmarks" / "bench_kernels.py"
 GRAPHS = REPO / "benchmarks" / "bench_decode_graphs.py"
-TUNE = REPO / "benchmarks" / "tune_triton.py"
+TUNE = REPO / "benchmarks" / "studies" / "tune_triton.py"
 CAPTURES = REPO / ".cache" / "attention_inputs"  # benchmarks/attention_inputs.py capture: the benchmark's inputs
 
 

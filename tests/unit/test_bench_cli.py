@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,11 +233,11 @@ def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_p
 
 
 def test_prefill_fma_bound_counts_and_bound():
-    """prefill_fma_bound.py: the multiply-adds of a causal call (also with a cached prefix) match a count of the
+    """studies/prefill_fma_bound.py: the multiply-adds of a causal call (also with a cached prefix) match a count of the
     visible (row, key) pairs of the mask, and the table's best speedup is native / (peak time × (2 − s) / 2)."""
     import torch
 
-    fma_bound = _load(REPO / "benchmarks" / "prefill_fma_bound.py", "prefill_fma_bound_under_test")
+    fma_bound = load_benchmark("studies/prefill_fma_bound", "prefill_fma_bound_under_test")
     bench_cpu = fma_bound.bench_cpu
     for q_len, kv_len in ((1, 1), (7, 7), (5, 12), (64, 200)):
         rows = torch.arange(kv_len - q_len, kv_len)[:, None]

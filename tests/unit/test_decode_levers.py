@@ -1,4 +1,4 @@
-"""benchmarks/decode_levers.py: its model of served decode rows against the PyTorch reference, and its helpers."""
+"""benchmarks/studies/decode_levers.py: its model of served decode rows against the PyTorch reference, its helpers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import RECENT_WINDO
 
 @pytest.fixture(scope="module")
 def dl():
-    return load_benchmark("decode_levers", "decode_levers_under_test")
+    return load_benchmark("studies/decode_levers", "decode_levers_under_test")
 
 
 def _continuation(seed: int, keys: int = 2300, rows: int = 40, hq: int = 6, hkv: int = 2, d: int = 16):

@@ -115,7 +115,7 @@ def test_prefill_loads_are_software_pipelined_for_sm90():
     (with and without `prefill_split_causal`: the default since the second H200 sweep); with `branch` only K (V's
     one user sits inside the branch); `prefetch` K and the next tile's V (a loop-carried value, used in the branch
     one tile later). What the skip modes are for: if a Triton release changes this, the trade-off
-    between them changes and `benchmarks/tune_triton.py` should be run again."""
+    between them changes and `benchmarks/studies/tune_triton.py` should be run again."""
     out = _run_compiled(PIPELINE_SCRIPT)
     # async copies: each pipelined load once before its loop and once inside; the split-causal default has two
     # loops, both pipelining K and V; `prefetch` pipelines the next tile's V (issued inside the loop only); when

@@ -94,7 +94,7 @@ Being fast on an H200 (sm_90)
 -----------------------------
 The skip geometry is fixed by the semantics (64-key tiles, 2048-key splits); how the kernels are launched is a
 `LaunchConfig` and never changes decisions or counts. Measured on an H200 (docs/benchmarks.md, bf16, D = 128,
-`benchmarks/tune_triton.py`), the default (`default_launch_config`) for D > 64 is 128-row prefill programs on
+`benchmarks/studies/tune_triton.py`), the default (`default_launch_config`) for D > 64 is 128-row prefill programs on
 8 warps with 2 stages, the tiles all rows see whole walked in a first loop without the causal and length masks
 (`prefill_split_causal`), skipping only the exp (`exp`: V loaded and P·V run for every tile), and decode on 2 warps
 with 3 stages skipping by a branch; for D <= 64 (not measured) 64-row programs on 4 warps, no split, branch.
@@ -867,8 +867,8 @@ class LaunchConfig:
     """How the Triton kernels are launched: rows per prefill program, warps, pipeline stages, how a tile no row
     keeps is skipped (`SKIP_MODES`), whether P·V accumulates inside the dot, and whether a prefill program walks the
     tiles all its rows see whole in a loop without the causal mask (`prefill_split_causal`). None of it changes
-    decisions or counts (outputs only by fp32 summation order); `benchmarks/tune_triton.py` measures the choices on
-    a GPU."""
+    decisions or counts (outputs only by fp32 summation order); `benchmarks/studies/tune_triton.py` measures the
+    choices on a GPU."""
 
     prefill_block_q: int = TILE_Q
     prefill_warps: int = 8

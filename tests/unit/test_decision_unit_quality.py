@@ -1,4 +1,4 @@
-"""benchmarks/decision_quality.py: its decision rules against the PyTorch reference kernel and their definitions."""
+"""benchmarks/studies/decision_unit_quality.py: its rules against the PyTorch reference, and their definitions."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
 @pytest.fixture(scope="module")
 def dq():
-    return load_benchmark("decision_quality", "decision_quality_under_test")
+    return load_benchmark("studies/decision_unit_quality", "decision_unit_quality_under_test")
 
 
 def _case(seed: int, n: int = 2300, hq: int = 4, hkv: int = 2, d: int = 16):

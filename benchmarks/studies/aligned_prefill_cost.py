@@ -13,7 +13,7 @@ tokens / s), the time to first token of the batch's requests (vLLM's `first_toke
 core's trace (MODELOPT_EXT_SCHEDULER_TRACE) the engine steps, the tokens scheduled per step while prompts were being
 prefilled, the tokens the alignment cut per step and the prefix-cache hits. Rounds of the two schedulers alternate.
 
-    .venv-cpu/bin/python benchmarks/scheduler_alignment.py --budgets 200,1000 --repeats 3 \\
+    .venv-cpu/bin/python benchmarks/studies/aligned_prefill_cost.py --budgets 200,1000 --repeats 3 \\
         --out artifacts/scheduler_alignment
 
 Timing on a shared 2-core machine is noisy: the table gives the fastest round (the least disturbed) and the median
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"
 MODULE = "modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.aligned_scheduler"
 SCHEDULERS = {"vllm": f"{MODULE}.CheckedScheduler", "aligned": f"{MODULE}.AlignedScheduler"}

@@ -22,8 +22,8 @@ row-level sparsity (the contract's count) and the share of (program, tile) pairs
 GQA groups can skip. Attention is computed densely in float32 with the dropped tiles masked out (a faithful model of
 what the kernels compute, not a kernel): the point is quality, not speed.
 
-    .venv-cpu/bin/python benchmarks/decision_quality.py --out artifacts/decision_quality    # ~30 min on 2 cores
-    .venv-cpu/bin/python benchmarks/decision_quality.py --quick --out /tmp/dq                # ~3 min
+    .venv-cpu/bin/python benchmarks/studies/decision_unit_quality.py --out artifacts/decision_quality # ~30 min, 2 cores
+    .venv-cpu/bin/python benchmarks/studies/decision_unit_quality.py --quick --out /tmp/dq             # ~3 min
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ import platform
 import time
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path: the shared modules below)
 import torch
 from coherence import block_stat, drops, group_stat, protect_window, score_gaps, stronger_reference, visited_mask
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import TILE_K
 
-logger = logging.getLogger("decision_quality")
+logger = logging.getLogger("decision_unit_quality")
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / ".cache" / "models" / "SmolLM2-135M-Instruct"
 RULES = ("row", "block64", "block128", "gqa")
 WINDOW = "+win"
 REFERENCE = "+ref"
@@ -134,7 +135,7 @@ def decided_attention(recorder: Recorder, q, k, v, scale: float) -> torch.Tensor
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the contract's score precision
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(1, 2)) * scale
     if rows != keys:
-        raise ValueError("decision_quality runs whole prompts (teacher-forced): no cached prefix, no decode step")
+        raise ValueError("decision_unit_quality runs whole prompts (teacher-forced): no cached prefix, no decode step")
     positions = torch.arange(rows)
     causal = torch.arange(keys)[None, :] > positions[:, None]
     scores.masked_fill_(causal[None], -math.inf)

@@ -20,7 +20,7 @@ Each variant is a sweep of one offset added to every row's ln λ, so variants co
   SENSITIVITY_JSON` writes the offsets that minimize the summed single-layer NLL change at the law's skipped work
   (a Lagrangian choice among the measured offsets per layer, "dense" included).
 
-    .venv-cpu/bin/python benchmarks/decode_levers.py --config CAL/sparse_attention_config.json --target 0.7 \\
+    .venv-cpu/bin/python benchmarks/studies/decode_levers.py --config CAL/sparse_attention_config.json --target 0.7 \\
         --source prose --length 2048 --seeds 0,1,2,3,4,5,6,7,8,9,10,11 --windows 256,512 --out artifacts/levers
 """
 
@@ -34,6 +34,7 @@ import random
 import time
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path: the shared modules below)
 import torch
 from coherence import group_stat, protect_window, score_gaps, stronger_reference
 
@@ -41,7 +42,7 @@ from modelopt_ext.torch.kernels.sparsity.attention.semantics import RECENT_WINDO
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.atomic_io import write_json_atomic
 
 logger = logging.getLogger("decode_levers")
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / ".cache" / "models" / "SmolLM2-135M-Instruct"
 DENSE_LAYER = -1e9  # a layer offset that keeps the layer dense (its rows never compute a decision)
 
 

