@@ -33,6 +33,7 @@ from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_att
 from modelopt_ext.torch.kernels.sparsity.attention.reference import softmax_with_sinks
 
 from ..checkpoint.config_io import PHASES, PhaseCalibration
+from ..checkpoint.law import Law, PhaseLaw
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +68,22 @@ class SparseAttentionState:
 
     def threshold_for(self, phase: str, kv_len: int) -> float | None:
         """λ of a row of this phase whose law length is `kv_len` (for reports; the kernel computes it per row)."""
-        c, gamma = self.law_for(phase)
-        lam = math.exp(c - gamma * math.log(max(kv_len, 1))) if math.isfinite(c) else None
+        law = self.law_for(phase)
+        lam = None if law.is_dense else math.exp(law.c - law.gamma * math.log(max(kv_len, 1)))
         return lam if lam is not None and lam < 1.0 else None
 
-    def law_for(self, phase: str) -> tuple[float, float]:
-        """(c, γ) of docs/skip_softmax.md for a phase: ln λ_row = c − γ·ln(n); c = -inf means dense.
+    def law_for(self, phase: str) -> PhaseLaw:
+        """The phase's law (docs/skip_softmax.md: ln λ_row = c − γ·ln(n); c = -inf means dense).
 
-        Calibrated: c = ln a + b·target with the checkpoint's length exponent (1 for ModelOpt's law); a static λ:
-        c = ln λ, γ = 0.
+        Calibrated: the calibration's (c, γ), as vLLM serves it; a static λ: c = ln λ, γ = 0.
         """
         cal = self.calibration.get(phase)
         if cal is not None:
-            c = getattr(cal, "log_scale_factor", None)
-            if c is None:
-                c = math.log(cal.a) + cal.b * cal.target_sparsity
-            return float(c), float(getattr(cal, "length_exponent", 1.0))
+            return PhaseLaw.of(cal)
         lam = self.threshold.get(phase)
         if lam is None or not 0.0 < lam < 1.0:
-            return -math.inf, 0.0
-        return math.log(lam), 0.0
+            return PhaseLaw(-math.inf, 0.0)
+        return PhaseLaw(math.log(lam), 0.0)
 
     def add_stats(self, phase: str, counts: torch.Tensor) -> None:
         total = counts.sum(dim=(0, 1))
@@ -395,10 +392,10 @@ def run_skip_softmax(
         )  # fmt: skip
         state.collector.add(phase, law_len, counts, request=request)
     else:
-        (c_pre, g_pre), (c_dec, g_dec) = state.law_for("prefill"), state.law_for("decode")
+        served = Law(state.law_for("prefill"), state.law_for("decode"))
         law = dict(
-            log_scale_factors=torch.tensor([[c_pre, c_dec]], dtype=torch.float32, device=device).expand(batch, 2),
-            length_exponents=torch.tensor([g_pre, g_dec], dtype=torch.float32, device=device),
+            log_scale_factors=torch.tensor([served.c], dtype=torch.float32, device=device).expand(batch, 2),
+            length_exponents=torch.tensor(served.gamma, dtype=torch.float32, device=device),
         )
         result = paged_skip_softmax_attention(
             q, k_view, v_view, table, cu, seq_lens, return_skip_counts=state.collect_stats, **law, **common

@@ -43,8 +43,10 @@ from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import 
     PhaseCalibration,
     SparseAttentionSettings,
 )
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.law import Law  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import admission  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.feedback import FEEDBACK_RATE  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prompt_lens import prompt_lens_source  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats import (  # noqa: E402
     RequestCounters,
@@ -54,6 +56,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats i
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import (  # noqa: E402
     RequestLaws,
     RequestTargetError,
+    request_law_of,
     request_laws_source,
     requested_targets,
     validate_request,
@@ -107,16 +110,16 @@ def test_malformed_keys_are_refused_by_name(extra, needle):
 def test_law_is_the_checkpoint_law_at_the_requested_target():
     settings = _settings()
     law = validate_request({"sparse_attn_prefill_target": 0.8}, settings)
-    assert law[0] == pytest.approx(math.log(A_PRE) + B_PRE * 0.8)  # ln a + b·target
-    assert law[1] == pytest.approx(settings.decode.log_scale_factor)  # decode keeps the checkpoint's target
-    assert law[2:] == (1.0, 1.0)
-    assert validate_request({"sparse_attn_target": "dense"}, settings)[:2] == (-math.inf, -math.inf)
+    assert law.prefill.c == pytest.approx(math.log(A_PRE) + B_PRE * 0.8)  # ln a + b·target
+    assert law.decode.c == pytest.approx(settings.decode.log_scale_factor)  # decode keeps the checkpoint's target
+    assert law.gamma == (1.0, 1.0)
+    assert validate_request({"sparse_attn_target": "dense"}, settings).c == (-math.inf, -math.inf)
     # γ moves with the target along the checkpoint's slope, as a checkpoint served at that target would
     sloped = SparseAttentionSettings(prefill=_phase(length_exponent=1.2, length_exponent_slope=0.5), decode=None)
     law = validate_request({"sparse_attn_prefill_target": 0.8}, sloped)
     at = sloped.prefill.at_target(0.8)
-    assert law[0] == pytest.approx(at.log_scale_factor) and law[2] == pytest.approx(at.length_exponent)
-    assert law[2] != pytest.approx(1.2)
+    assert law.prefill.c == pytest.approx(at.log_scale_factor)
+    assert law.prefill.gamma == pytest.approx(at.length_exponent) != pytest.approx(1.2)
 
 
 def test_targets_outside_the_calibration_are_refused():
@@ -125,7 +128,7 @@ def test_targets_outside_the_calibration_are_refused():
     with pytest.raises(RequestTargetError, match="calibrates no decode law"):
         validate_request({"sparse_attn_target": 0.5}, _settings(decode=False))
     # dense is always possible, even for a phase the checkpoint serves dense
-    assert validate_request({"sparse_attn_decode_target": "dense"}, _settings(decode=False))[1] == -math.inf
+    assert validate_request({"sparse_attn_decode_target": "dense"}, _settings(decode=False)).decode.is_dense
     static = SparseAttentionSettings(prefill=PhaseCalibration(a=0.01, b=0.0, target_sparsity=0.5, length_exponent=0.0),
                                      decode=None)
     with pytest.raises(RequestTargetError, match="static"):
@@ -265,7 +268,7 @@ def test_request_law_cache_follows_the_batch():
     assert source(2, context) is first  # same batch, same engine settings: nothing recomputed
     runner.input_batch.req_ids = ["b", "a"]  # vLLM condensed the batch: rows moved
     moved = source(2, context)
-    assert np.array_equal(moved, first[::-1])
+    assert moved == first[::-1]
     runner.input_batch.req_ids, runner.input_batch.num_reqs = ["b"], 1
     assert source(1, context) is None  # no request of this step sets a target
     assert request_laws_source(None)[0] is None
@@ -447,17 +450,16 @@ def test_request_counters_on_model_runner_v2_keep_a_preempted_requests_counts(mo
 
 
 def test_feedback_key_parses_and_needs_a_decode_target():
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_targets import checkpoint_law, request_row
-
-    row = request_row({"sparse_attn_decode_feedback": True}, _settings())
-    assert row[:4] == checkpoint_law(_settings()) and row[4:] == (0.5, B_DEC)  # the checkpoint's target
-    row = request_row({"sparse_attn_decode_target": 0.7, "sparse_attn_decode_feedback": "on"}, _settings())
-    assert row[4:] == (pytest.approx(0.7), B_DEC)
-    assert request_row({"sparse_attn_decode_feedback": "false"}, _settings())[4:] == (0.0, 0.0)
+    row = request_law_of({"sparse_attn_decode_feedback": True}, _settings())
+    assert row.law == Law.of(_settings())  # the checkpoint's law, holding the checkpoint's decode target
+    assert (row.feedback.target, row.feedback.gain) == (0.5, B_DEC)
+    row = request_law_of({"sparse_attn_decode_target": 0.7, "sparse_attn_decode_feedback": "on"}, _settings())
+    assert (row.feedback.target, row.feedback.gain) == (pytest.approx(0.7), B_DEC)
+    assert request_law_of({"sparse_attn_decode_feedback": "false"}, _settings()).feedback is None
     with pytest.raises(RequestTargetError, match="expected true or false"):
-        request_row({"sparse_attn_decode_feedback": "maybe"}, _settings())
+        request_law_of({"sparse_attn_decode_feedback": "maybe"}, _settings())
     with pytest.raises(RequestTargetError, match="feedback holds a decode target"):
-        request_row({"sparse_attn_decode_target": "dense", "sparse_attn_decode_feedback": 1}, _settings())
+        request_law_of({"sparse_attn_decode_target": "dense", "sparse_attn_decode_feedback": 1}, _settings())
 
 
 def _plant(target, offset, shift, slope):
@@ -496,8 +498,6 @@ def test_feedback_drives_a_request_to_its_decode_target(shift, slope):
 def test_feedback_moves_the_planned_law_of_its_request_only(make_layer, vllm_config):
     """Through the real builder: after a step whose decode rows dropped nothing, the next plan raises c_decode of the
     feedback request by η·b·target and leaves the other request's law as it was."""
-    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.request_stats import FEEDBACK_RATE
-
     layer = make_layer("flash_attn", head_size=D)
     settings = _settings()
     runner = V1Runner([("fb", 40, {"sparse_attn_decode_feedback": True}), ("plain", 30, {"sparse_attn_target": 0.5})])

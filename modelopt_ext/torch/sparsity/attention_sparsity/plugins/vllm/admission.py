@@ -14,7 +14,7 @@ several sparse engines in one process a target must be valid for each of them.
 Model runner V2 (vLLM's GPU default from 0.33) takes processors of another interface, and keeps no request's
 SamplingParams where the plan could read them. There the processor also carries the params to the worker: its
 sampler calls `add_request(slot, params)` on each new request, and the processor records the extra_args per
-request-table slot (`request_targets.v2_slot_args`), which the plan reads through the metadata's `req_idx`. V2
+request-table slot (`request_rows.v2_slot_args`), which the plan reads through the metadata's `req_idx`. V2
 builds its sampler only on the last pipeline stage, so with pipeline parallelism a request that sets a target is
 refused at admission with the switch that serves it (VLLM_USE_V2_MODEL_RUNNER=0), never served silently at the
 checkpoint's target on the other stages.
@@ -28,7 +28,8 @@ import torch
 from vllm.v1.sample.logits_processor.interface import LogitsProcessor as _V1LogitsProcessor
 
 from ...checkpoint.config_io import SparseAttentionSettings
-from .request_targets import RequestTargetError, request_row, requested_targets, v2_slot_args
+from .request_rows import v2_slot_args
+from .request_targets import RequestTargetError, request_law_of, requested_targets
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _check(sampling_params) -> None:
         if settings == _DISABLED:
             raise RequestTargetError("sparse attention is switched off on this server (MODELOPT_EXT_SPARSE_ATTN=0): "
                                      "drop the sparse_attn_* keys, or serve with the plugin on")
-        request_row(extra, settings)
+        request_law_of(extra, settings)
 
 
 class SparseAttentionTargets(_V1LogitsProcessor):

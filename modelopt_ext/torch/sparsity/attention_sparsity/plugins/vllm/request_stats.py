@@ -26,12 +26,11 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .request_targets import request_rows
+from .feedback import FeedbackState
+from .request_rows import request_rows
 
 logger = logging.getLogger(__name__)
 
-FEEDBACK_RATE = 0.3  # η: the share of the law's predicted correction applied per step
-FEEDBACK_BOUND = 0.3  # |δ| <= FEEDBACK_BOUND·b: at most this much sparsity-equivalent shift of the law
 SLOTS_PER_SEQ = 4  # slots per max_num_seqs: running requests plus preempted ones that keep their counts
 KEEP_FINISHED = 4096
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # vLLM's InputProcessor appends "-<8 hex>" to the user's request id
@@ -63,9 +62,7 @@ class RequestCounters:
         slots = SLOTS_PER_SEQ * capacity
         self.table = torch.zeros(slots + 1, 2, 2, dtype=torch.int64, device=device)
         self._flat_table = self.table.view(-1, 2)
-        self.offset = torch.zeros(slots + 1, dtype=torch.float32, device=device)  # decode feedback δ per slot
-        self._prev_decode = torch.zeros(slots + 1, 2, dtype=torch.int64, device=device)
-        self._step_decode = torch.zeros(slots + 1, 2, dtype=torch.int64, device=device)
+        self.feedback = FeedbackState(slots + 1, device)  # decode feedback δ per slot (plugins/vllm/feedback.py)
         self.flat_index = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._slots_dev = torch.zeros(capacity, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
@@ -86,7 +83,7 @@ class RequestCounters:
                 earlier = self._finished.pop(req_id, None)
                 if earlier is not None:  # model runner V2 drops a preempted request's state; it returns by its id
                     self.table[slot].copy_(earlier, non_blocking=True)
-                    self._prev_decode[slot].copy_(earlier[1], non_blocking=True)  # feedback: no spurious step
+                    self.feedback.resume(slot, earlier[1])
             else:
                 slot = self.table.shape[0] - 1
                 if not self._overflow_logged:
@@ -101,8 +98,7 @@ class RequestCounters:
         host = torch.empty(2, 2, dtype=torch.int64, pin_memory=self.table.is_cuda)
         host.copy_(self.table[slot], non_blocking=True)
         self.table[slot].zero_()
-        self._prev_decode[slot].zero_()
-        self.offset[slot].zero_()
+        self.feedback.forget(slot)
         self._free.append(slot)
         self._finished[req_id] = host
         while len(self._finished) > KEEP_FINISHED:
@@ -133,22 +129,9 @@ class RequestCounters:
         return index
 
     def decode_offsets(self, num_reqs: int, gain: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Decode feedback (plugins/vllm/request_targets.py): update each row's request δ from its decode counts of
-        the previous step and return the rows' δ [B]. Device ops only. Called by every planner of a step: the first
-        call takes the step's counts, later ones see none and change nothing."""
+        """The decode feedback δ of this step's rows [B] (plugins/vllm/feedback.py), from their requests' counts."""
         b = int(num_reqs)
-        decode = self.table[:, 1, :]
-        torch.sub(decode, self._prev_decode, out=self._step_decode)
-        self._prev_decode.copy_(decode)
-        slots = self._slots_dev[:b]
-        step = self._step_decode.index_select(0, slots).to(torch.float32)  # [B, (visited, skipped)]
-        visited = step[:, 0]
-        realized = step[:, 1] / visited.clamp(min=1.0)
-        change = gain[:b] * FEEDBACK_RATE * (target[:b] - realized) * (visited > 0)
-        bound = gain[:b] * FEEDBACK_BOUND
-        rows = torch.minimum(torch.maximum(self.offset.index_select(0, slots) + change, -bound), bound)
-        self.offset.index_copy_(0, slots, rows)  # one row per request; padding rows (gain 0) write 0 to overflow
-        return rows
+        return self.feedback.offsets(self.table[:, 1, :], self._slots_dev[:b], gain[:b], target[:b])
 
     def snapshot(self) -> dict[str, dict]:
         """{engine request id: {"finished": bool, "prefill"/"decode": {"visited", "skipped", "sparsity"}}}; syncs."""
