@@ -27,7 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import aligned_scheduler as al  # noqa: E402
-from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.compat import (  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.scheduler_hooks import (  # noqa: E402
     LOOKAHEAD_HOOK,
     SPLIT_HOOK,
     scheduler_hooks,

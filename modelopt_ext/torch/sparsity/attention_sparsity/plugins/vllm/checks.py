@@ -5,8 +5,9 @@ any weight loads) where it can be predicted, per layer at install otherwise.
   the field); `check_engine_config(vllm_config)`: which layers the engine config already says will be served dense
   (sliding window from the model's layer types, a quantized KV cache, MLA, a CPU attention ISA whose cache layout the
   kernels do not read), one line per reason; an error in strict mode.
-- `_unsupported(layer, impl, kernel_backend, config)`: each reason one layer cannot run sparse; install reports
-  them all at once, one line per reason (`refusal_message`).
+- `layer_problems(layer, impl, kernel_backend, config)`: each reason one layer cannot run sparse, asked of the
+  layer's sparse backend with vLLM's own `supports_*` class methods where vLLM has one (backends/capabilities.py);
+  install reports them all at once, one line per reason (`refusal_message`).
 - `resolve_kernel_backend(backend, config)`: the kernel backend "auto" stands for on this engine, decided once.
 """
 
@@ -18,22 +19,18 @@ import math
 import torch
 
 from ...checkpoint.config_io import SparseAttentionConfigError, SparseAttentionSettings, settings_from_hf_config
-from .backends import native_backend_of
-from .compat import cache_layout_problem, cpu_attn_isa, sinks_problem, vllm_facts
+from .backends import is_sparse_backend, native_backend_of, sparse_backend_for_impl, sparse_backends
+from .backends.capabilities import SparseCapabilities
+from .compat import predicted_cpu_attn_isa, sinks_problem
 from .env import ENV_ENABLE, ENV_STRICT, kernel_backend_choice, sparse_attention_enabled, strict_mode
-from .impls import _BACKEND_BY_NATIVE, _SPARSE_BY_NATIVE, _SPARSE_CLASSES
+from .impls import native_impl_cls
 from .kernel_pages import kernel_page_problem
 from .kv_cache import cpu_isa_problem
 
 logger = logging.getLogger(__name__)
 
-KERNEL_BACKENDS = ("auto", "torch", "triton", "cpu")
-
-
-_UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
-
-
-def _current_vllm_config(vllm_config):
+def current_vllm_config(vllm_config):
+    """`vllm_config`, else the engine config vLLM has set as current (None: none is)."""
     if vllm_config is not None:
         return vllm_config
     try:
@@ -70,68 +67,67 @@ def resolve_kernel_backend(backend: str, config) -> str:
     return chosen
 
 
-def _unsupported(layer, impl, kernel_backend: str, config) -> list[str]:
-    """Every reason this layer cannot run sparse attention (empty when it can)."""
-    reasons = []
-    native = _native_impl_cls(impl)
-    if native not in _SPARSE_BY_NATIVE:
+def layer_problems(layer, impl, kernel_backend: str, config) -> list[str]:
+    """Every reason this layer cannot run sparse attention (empty when it can): the questions vLLM's selector asks a
+    backend (`supports_*`), asked of the layer's sparse backend, and what only the layer's impl says."""
+    native = native_impl_cls(impl)
+    backend = sparse_backend_for_impl(native)
+    if backend is None:
         if "MLA" in type(layer).__name__ or "MLA" in native.__name__:
-            reasons.append(f"MLA attention ({native.__name__}) is not supported")
-        else:
-            supported = ", ".join(c.__name__ for c in _SPARSE_BY_NATIVE)
-            reasons.append(f"impl {native.__module__}.{native.__name__} is not supported (supported: {supported})")
-        return reasons
-    kind = vllm_facts().kind_of_impl(native)
-    attn_type = str(getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder")))
-    if attn_type.lower().rsplit(".", 1)[-1] != "decoder":
-        reasons.append(f"attention type {attn_type!r} (encoder / cross attention) is not supported")
-    sinks = sinks_problem(native, impl, layer)
-    if sinks is not None:
-        reasons.append(sinks)
+            return [f"MLA attention ({native.__name__}) is not supported"]
+        supported = ", ".join(b.native_impl.__name__ for b in sparse_backends().values())
+        return [f"impl {native.__module__}.{native.__name__} is not supported (supported: {supported})"]
+    reasons = _feature_problems(backend, layer, impl, native)
+    head_size = getattr(impl, "head_size", None)
+    reasons += _kernel_problems(backend, head_size, kernel_backend, config)
+    subclass = _vllm_backend_subclass(layer, backend)
+    if subclass is not None:
+        reasons.append(subclass)
+    return reasons + backend.cache_problems(native_backend_cls(layer, native), head_size, layer, config)
+
+
+def _feature_problems(backend, layer, impl, native) -> list[str]:
+    """The layer's attention features the sparse backend does not support."""
+    reasons = []
+    attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
+    if not backend.supports_attn_type(attn_type):
+        reasons.append(f"attention type {str(attn_type)!r} (encoder / cross attention) is not supported")
+    sinks = getattr(impl, "sinks", None) is not None or getattr(layer, "has_sink", False)
+    if sinks and not backend.supports_sink():
+        reasons.append(f"attention sinks: vLLM's {native.__name__} of this release takes no sinks, so the sparse "
+                       "impl cannot read them")
+    elif sinks and sinks_problem(native, impl, layer) is not None:  # the tensor: one float logit per query head
+        reasons.append(sinks_problem(native, impl, layer))
     window = getattr(impl, "sliding_window", None)
-    if window not in (None, -1, (-1, -1)) or getattr(layer, "sliding_window", None) is not None:
+    if (window not in (None, -1, (-1, -1)) or getattr(layer, "sliding_window", None) is not None) and (
+            not backend.supports_sliding_window()):  # fmt: skip
         reasons.append(f"sliding window {window} is not supported")
     if getattr(impl, "alibi_slopes", None) is not None:
         reasons.append("ALiBi is not supported")
     cap = getattr(impl, "logits_soft_cap", None)
     if cap not in (None, 0, 0.0) and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
         reasons.append(f"logit soft-cap {cap!r} is not a positive number")
-    dtypes = {
-        getattr(impl, "cache_dtype", None),
-        getattr(impl, "kv_cache_dtype", None),
-        getattr(layer, "kv_cache_dtype", None),
-    }
-    quantized = sorted(str(d) for d in dtypes if isinstance(d, str) and d not in _UNQUANTIZED_KV_DTYPES)
+    dtypes = {getattr(impl, "cache_dtype", None), getattr(impl, "kv_cache_dtype", None),
+              getattr(layer, "kv_cache_dtype", None)}  # fmt: skip
+    quantized = sorted(str(d) for d in dtypes if not backend.supports_kv_cache_dtype(d))
     if quantized:
         reasons.append(f"quantized KV cache {quantized} (FP8/NVFP4) is not supported; use kv_cache_dtype='auto'")
     head_size = getattr(impl, "head_size", None)
     head_size_v = getattr(layer, "head_size_v", head_size)
     if head_size_v != head_size:
         reasons.append(f"V head size {head_size_v} != K head size {head_size} is not supported")
-    if getattr(impl, "dcp_world_size", 1) > 1:
+    if getattr(impl, "dcp_world_size", 1) > 1 and not backend.supports_dcp():
         reasons.append("decode context parallelism (DCP) is not supported")
-    reasons += _kernel_problems(head_size, kernel_backend, config)
-    subclass = _vllm_backend_subclass(layer, native)
-    if subclass is not None:
-        reasons.append(subclass)
-    backend_cls = _native_backend_cls(layer, native)
-    layout = cache_layout_problem(kind, backend_cls, head_size)
-    if layout is not None:
-        reasons.append(layout)
-    if kind == "cpu_attn":
-        problem = cpu_isa_problem(getattr(layer, "isa", None) or _predicted_cpu_isa(config, head_size))
-        if problem is not None:
-            reasons.append(problem)
     return reasons
 
 
-def _vllm_backend_subclass(layer, native_impl) -> str | None:
+def _vllm_backend_subclass(layer, sparse_backend) -> str | None:
     """Why a layer whose backend vLLM made for it must keep it: vLLM subclasses a backend for layers with their own
     metadata builder and masks (`subclass_attention_backend`: chunk-local attention of Llama 4, static sinks,
     encoder-only and prefix-LM layers) while the impl stays the plain one, so only the backend class tells."""
     backend = getattr(layer, "attn_backend", None)
-    plain = _BACKEND_BY_NATIVE.get(native_impl)
-    if backend is None or plain is None or backend is plain or getattr(backend, "_modelopt_native_backend", None):
+    plain = sparse_backend.native_backend
+    if backend is None or backend is plain or is_sparse_backend(backend):
         return None
     if not (isinstance(backend, type) and issubclass(backend, plain)):
         return None  # not derived from the plain backend (e.g. an older release's own class): judged by the impl
@@ -139,9 +135,9 @@ def _vllm_backend_subclass(layer, native_impl) -> str | None:
             "metadata builder and masks), which the sparse backend would replace")
 
 
-def _kernel_problems(head_size, kernel_backend: str, config) -> list[str]:
+def _kernel_problems(backend, head_size, kernel_backend: str, config) -> list[str]:
     """Head size, dtype and (when the user fixed it) page size the chosen kernel backend does not cover."""
-    if not isinstance(head_size, int) or head_size <= 0:
+    if not backend.supports_head_size(head_size):
         return [f"head size {head_size} is not supported"]
     if kernel_backend != "triton":
         return []
@@ -192,7 +188,7 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
     if device == "cpu":
         try:
-            problem = cpu_isa_problem(_predicted_cpu_isa(vllm_config, int(model.get_head_size())))
+            problem = cpu_isa_problem(predicted_cpu_attn_isa(vllm_config, int(model.get_head_size())))
         except Exception:  # noqa: BLE001 - no uniform head size: install checks each layer
             problem = None
         if problem is not None:
@@ -208,10 +204,10 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
             out.append((EVERY_LAYER, f"head size {head} is outside the Triton kernel's {MIN_HEAD_DIM}..{MAX_HEAD_DIM} "
                                      "(MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch runs the slow reference)"))
     cache_dtype = getattr(cache, "cache_dtype", "auto")
-    if isinstance(cache_dtype, str) and cache_dtype not in _UNQUANTIZED_KV_DTYPES:
+    if not SparseCapabilities.supports_kv_cache_dtype(cache_dtype):
         out.append((EVERY_LAYER, f"quantized KV cache {cache_dtype!r} (FP8/NVFP4) is not supported; serve with "
                                  "--kv-cache-dtype auto"))
-    if getattr(model, "use_mla", False) is True:
+    if getattr(model, "use_mla", False) is True and not SparseCapabilities.is_mla():  # vLLM's question
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
     out += _predicted_sliding_layers(model)
     out += _predicted_chunk_local_layers(model)
@@ -254,14 +250,6 @@ def _predicted_sliding_layers(model) -> list[tuple[str, str]]:
     if getattr(hf, "use_sliding_window", True) is False:
         return []
     return [(EVERY_LAYER, f"sliding window {window} is not supported")]
-
-
-def _predicted_cpu_isa(config, head_size) -> str | None:
-    model, cache = getattr(config, "model_config", None), getattr(config, "cache_config", None)
-    dtype, block = getattr(model, "dtype", None), getattr(cache, "block_size", None)
-    if not isinstance(dtype, torch.dtype) or not isinstance(block, int):
-        return None
-    return cpu_attn_isa(dtype, block, head_size, getattr(cache, "cache_dtype", None))
 
 
 def checkpoint_settings(worker) -> SparseAttentionSettings | None:
@@ -349,10 +337,11 @@ def check_engine_config(vllm_config) -> None:
     logger.warning("\n".join([head, *(f"  {which}: {reason}" for which, reason in predicted)]))
 
 
-def _native_impl_cls(impl) -> type:
-    return type(impl)._modelopt_native if isinstance(impl, _SPARSE_CLASSES) else type(impl)
-
-
-def _native_backend_cls(layer, native_impl):
+def native_backend_cls(layer, native_impl):
+    """The native backend class of a layer: its `attn_backend` (the native one a sparse backend stands for), else
+    the backend of its native impl."""
     backend = getattr(layer, "attn_backend", None)
-    return native_backend_of(backend) if backend is not None else _BACKEND_BY_NATIVE.get(native_impl)
+    if backend is not None:
+        return native_backend_of(backend)
+    sparse = sparse_backend_for_impl(native_impl)
+    return sparse.native_backend if sparse is not None else None

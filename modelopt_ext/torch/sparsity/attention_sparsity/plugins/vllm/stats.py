@@ -12,11 +12,11 @@ import torch
 
 from ...checkpoint.calibration_records import make_record
 from .impls import layer_state
-from .install import _layers
+from .layers import attention_layers
 
 
 def _sparse_layers(model_or_layers):
-    for name, layer in _layers(model_or_layers):
+    for name, layer in attention_layers(model_or_layers):
         state = layer_state(layer)
         if state is not None:
             yield name, state
