@@ -7,29 +7,19 @@ and captured from. Tolerances: the captured q/k/v reproduce the module's attenti
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # coherence.main imports attention_inputs by name; dataclasses need the module
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ai = _load("attention_inputs")
-co = _load("coherence")
+ai = load_benchmark("attention_inputs")
+co = load_benchmark("coherence")  # its main imports attention_inputs by name: `ai`
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmark_modules import load_benchmark
+from benchmark_modules import load_benchmark, load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,19 +19,6 @@ def _env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH")) if x)
     env.pop("OUT", None)
     return env
-
-
-def _load(path: Path, name: str):
-    """Import a benchmark or script file as Python runs it: its own folder first on sys.path (sibling imports)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the file executes
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(path.parent))
-    return mod
 
 
 def test_bench_kernels_cpu_quick(tmp_path):
@@ -66,7 +52,7 @@ def test_bench_kernels_cpu_quick(tmp_path):
 
 
 def test_bench_shapes_and_args():
-    bench = _load(REPO / "benchmarks" / "bench_kernels.py", "bench_kernels_under_test")
+    bench = load_benchmark("bench_kernels", "bench_kernels_under_test")
     args = bench.parse_args(["--device", "cpu", "--prefill-lens", "1024,2048", "--decode-shapes", "2:4096",
                              "--page-sizes", "16,64", "--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
     shapes = bench.build_shapes(args)
@@ -86,7 +72,7 @@ def test_bench_shapes_and_args():
 def test_gpu_check_refuses_to_start_without_real_attention_inputs(tmp_path):
     """The benchmark runs on captured real attention: without a capture (and no --inputs / --synthetic) the GPU
     check stops before anything runs, exit status 2, naming the capture command and what to carry."""
-    check = _load(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
+    check = load_script(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
     empty = tmp_path / "captures"
     empty.mkdir()
     problem = check.bench_inputs_problem("", empty)
@@ -106,7 +92,7 @@ def test_gpu_check_args_and_dry_run(tmp_path, monkeypatch):
     """The dry run checks the script's wiring (every phase's command, log and summary line), not speed: --budget
     does not apply there (a small one is passed to show it), each phase gets DRY_RUN_PHASE_TIMEOUT, so a loaded
     machine passes. The subprocess timeout stays below pytest's 900 s of the unit stage."""
-    check = _load(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
+    check = load_script(REPO / "scripts" / "gpu_check.py", "gpu_check_under_test")
     monkeypatch.setenv("OUT", str(tmp_path / "from_env"))
     assert check.parse_args([]).out == str(tmp_path / "from_env")
     assert check.parse_args(["--out", "x", "--budget", "60"]).budget == 60
@@ -154,7 +140,7 @@ def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_reco
         build_sparse_attention_config,
     )
 
-    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
+    engine = load_benchmark("fidelity_engine", "fidelity_engine_under_test")
     trials = default_threshold_trials()
     rng = np.random.default_rng(7)
     kv_lens, is_decode, counts = [], [], []
@@ -191,7 +177,7 @@ def test_fidelity_engine_reads_the_config_law_and_refits_modelopts_from_its_reco
 def test_fidelity_batch_check_separates_phases_and_names_prompts_whose_tokens_differ():
     import numpy as np
 
-    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
+    engine = load_benchmark("fidelity_engine", "fidelity_engine_under_test")
     alone = np.array([[1000, 400], [50, 20]])
     same = engine.batch_comparison(alone, alone.copy(), [[1, 2], [3, 4]], [[1, 2], [3, 4]])
     assert same["equal"] and same["prefill_equal"] and same["decode_equal"] and same["tokens_differ"] == []
@@ -204,8 +190,8 @@ def test_fidelity_summary_reports_single_documents_and_their_spread_around_the_p
     """A cell pools its documents' counts; the summary also scores each document as a cell of its own."""
     import numpy as np
 
-    engine = _load(REPO / "benchmarks" / "fidelity_engine.py", "fidelity_engine_under_test")
-    fidelity = _load(REPO / "benchmarks" / "fidelity.py", "fidelity_under_test")
+    engine = load_benchmark("fidelity_engine", "fidelity_engine_under_test")
+    fidelity = load_benchmark("fidelity", "fidelity_under_test")
     # two documents of one cell at target 0.3: prefill 0.25 and 0.45 of equal weight (pooled 0.35), decode 0.2 / 0.3
     docs = [np.array([[1000, 250], [100, 20]]), np.array([[1000, 450], [300, 90]])]
     pooled = engine.phase_ratios(sum(docs))

@@ -8,25 +8,12 @@ template.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_modules import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses, and long_context_tasks' sibling import, look it up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tg = _load("task_generation")
+tg = load_benchmark("task_generation")
 
 
 def words(text: str, prefix: str) -> int:
@@ -145,7 +132,7 @@ def test_generated_answers_score(units):
 
 
 def test_benchmark_helpers_without_a_server():
-    lct = _load("long_context_tasks")
+    lct = load_benchmark("long_context_tasks")  # imports task_generation by name: `tg`
     args = lct.parse_args(["--quick"])
     assert args.seed == tg.REPORT_SEED and args.lengths == [2048, 4096] and args.prompts == 8
     assert lct.parse_args(["--tuning"]).seed == tg.TUNING_SEED
