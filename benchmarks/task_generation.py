@@ -203,102 +203,120 @@ def _context_and_question(context: list[str], question: str) -> str:
 
 
 def _spec(task: str, rng: random.Random, units: Sequence[str]) -> _Spec:
+    """Dispatch to the task's builder; the filler's start is drawn first, for every task, so that each task's draws
+    from `rng` (and so its prompts for a seed) stay what they were."""
     start = rng.randrange(len(units))
     big = 4 * len(units)  # the filler wraps around; the length search never needs more than this
     if task in ("niah_single", "niah_multikey", "niah_multivalue"):
-        k = 1 if task == "niah_single" else NEEDLES
-        keys_taken: set[str] = set()
-        values_taken: set[str] = set()
-        keys = [_word_key(rng, keys_taken) for _ in range(k)]
-        values = [_value(rng, values_taken) for _ in range(k)]
-        depths = _depths(rng, k)
-        rng.shuffle(depths)
-        needles = [_needle(key, val) for key, val in zip(keys, values, strict=True)]
-        if task == "niah_multivalue":
-            # one key, several values: "one of the special magic numbers for K"
-            key = keys[0]
-            needles = [f"One of the special magic numbers for {key} is: {val}." for val in values]
-            question = (f"The text above contains {k} special magic numbers for {key}. What are all the special "
-                        f"magic numbers for {key}? Answer with the {k} numbers only.")  # fmt: skip
-            answers, distractors = tuple(values), ()
-            prefix = f"The special magic numbers for {key} mentioned in the text above are:"
-        else:
-            ask = rng.randrange(k)
-            question = (f"What is the special magic number for {keys[ask]} mentioned in the text above? "
-                        "Answer with the number only.")  # fmt: skip
-            answers = (values[ask],)
-            distractors = tuple(v for i, v in enumerate(values) if i != ask)
-            # The reply starts with the needle's own words (not RULER's "... mentioned in the provided text is"):
-            # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k (an earlier
-            # reported run with RULER's wording: 62 % and 12 %; docs/fidelity.md, "Long-context tasks").
-            prefix = _needle_words(keys[ask])
-        pairs = list(zip(depths, needles, strict=True))
-        preface = "Some special magic numbers are hidden in the following text. Memorize them."
-
-        def render(n: int) -> tuple[str, str]:
-            return _context_and_question([preface, *_insert(_window(units, start, n), pairs)], question), prefix
-
-        return _Spec(render, answers, distractors, tuple(needles), tuple(depths), big)
-
+        return _niah_spec(task, rng, units, start, big)
     if task == "kv_lookup":
-        keys_taken, values_taken = set(), set()
-        pool = [(f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}", _value(rng, values_taken))
-                for _ in range(4096)]  # fmt: skip
-        # distinct keys (32+16 random bits: a clash is near impossible, but checked)
-        seen: set[str] = set()
-        pool = [(k, v) for k, v in pool if not (k in seen or seen.add(k))]
-        depth = rng.uniform(0.05, 0.95)
-
-        def pairs_for(n: int) -> tuple[list[str], int]:
-            n = max(n, 2)
-            ask = min(n - 1, round(depth * (n - 1)))
-            return [f'"{k}": {v}' for k, v in pool[:n]], ask
-
-        def render(n: int) -> tuple[str, str]:
-            lines, ask = pairs_for(n)
-            key = pool[ask][0]
-            question = f'What is the value of the key "{key}" in the list above? Answer with the number only.'
-            text = _context_and_question(["Here is a list of keys and their values, one pair a line:", *lines],
-                                         question)  # fmt: skip
-            return text, f'The value of the key "{key}" is:'
-
-        # The asked pair depends on n; `generate` derives answers and distractors for the n the length search chose.
-        spec = _Spec(render, (), (), (), (depth,), len(pool))
-        spec.kv = (pool, pairs_for)  # type: ignore[attr-defined]
-        return spec
-
+        return _kv_lookup_spec(rng)
     if task == "variable_tracking":
-        names_taken: set[str] = set()
-        values_taken = set()
-        chains = []
-        for _ in range(2):
-            names = [_var_name(rng, names_taken) for _ in range(CHAIN_HOPS + 1)]
-            value = str(rng.randint(10_000, 99_999))
-            while value in values_taken:
-                value = str(rng.randint(10_000, 99_999))
-            values_taken.add(value)
-            lines = [f"VAR {names[0]} = {value}"] + [
-                f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:], strict=False)
-            ]
-            chains.append((names, value, lines))
-        # Each chain's lines in order at increasing depths; the two chains interleave.
-        depths = _depths(rng, CHAIN_HOPS + 1) + _depths(rng, CHAIN_HOPS + 1)
-        pairs = [(d, line) for d, line in zip(depths, chains[0][2] + chains[1][2], strict=True)]
-        value = chains[0][1]
-        question = (
-            f"Which variables in the text above are assigned the value {value}, directly or through other "
-            f"variables? Answer with the {CHAIN_HOPS + 1} variable names only, separated by spaces."
-        )
-        preface = "Memorize the variable assignments (lines starting with VAR) hidden in the following text."
-
-        prefix = f"The variables assigned the value {value} are:"
-
-        def render(n: int) -> tuple[str, str]:
-            return _context_and_question([preface, *_insert(_window(units, start, n), pairs)], question), prefix
-
-        return _Spec(render, tuple(chains[0][0]), tuple(chains[1][0]), tuple(chains[0][2]),
-                     tuple(depths[: CHAIN_HOPS + 1]), big)  # fmt: skip
+        return _variable_tracking_spec(rng, units, start, big)
     raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+
+
+def _niah_spec(task: str, rng: random.Random, units: Sequence[str], start: int, big: int) -> _Spec:
+    """The needle-in-a-haystack tasks: one needle, several keys (one asked), or one key with several values; the
+    needles sit at random depths of the filler."""
+    k = 1 if task == "niah_single" else NEEDLES
+    keys_taken: set[str] = set()
+    values_taken: set[str] = set()
+    keys = [_word_key(rng, keys_taken) for _ in range(k)]
+    values = [_value(rng, values_taken) for _ in range(k)]
+    depths = _depths(rng, k)
+    rng.shuffle(depths)
+    needles = [_needle(key, val) for key, val in zip(keys, values, strict=True)]
+    if task == "niah_multivalue":
+        # one key, several values: "one of the special magic numbers for K"
+        key = keys[0]
+        needles = [f"One of the special magic numbers for {key} is: {val}." for val in values]
+        question = (f"The text above contains {k} special magic numbers for {key}. What are all the special "
+                    f"magic numbers for {key}? Answer with the {k} numbers only.")  # fmt: skip
+        answers, distractors = tuple(values), ()
+        prefix = f"The special magic numbers for {key} mentioned in the text above are:"
+    else:
+        ask = rng.randrange(k)
+        question = (f"What is the special magic number for {keys[ask]} mentioned in the text above? "
+                    "Answer with the number only.")  # fmt: skip
+        answers = (values[ask],)
+        distractors = tuple(v for i, v in enumerate(values) if i != ask)
+        # The reply starts with the needle's own words (not RULER's "... mentioned in the provided text is"):
+        # tuned on TUNING_SEED with SmolLM2-135M, dense, single needle: 8/8 at 2k and 7/8 at 4k (an earlier
+        # reported run with RULER's wording: 62 % and 12 %; docs/fidelity.md, "Long-context tasks").
+        prefix = _needle_words(keys[ask])
+    pairs = list(zip(depths, needles, strict=True))
+    preface = "Some special magic numbers are hidden in the following text. Memorize them."
+
+    def render(n: int) -> tuple[str, str]:
+        return _context_and_question([preface, *_insert(_window(units, start, n), pairs)], question), prefix
+
+    return _Spec(render, answers, distractors, tuple(needles), tuple(depths), big)
+
+
+def _kv_lookup_spec(rng: random.Random) -> _Spec:
+    """Key-value retrieval: the context is the first n pairs of a fixed pool (no filler), and the asked pair sits
+    at a fixed relative depth, so it moves with n."""
+    values_taken: set[str] = set()
+    pool = [(f"{rng.getrandbits(32):08x}-{rng.getrandbits(16):04x}", _value(rng, values_taken))
+            for _ in range(4096)]  # fmt: skip
+    # distinct keys (32+16 random bits: a clash is near impossible, but checked)
+    seen: set[str] = set()
+    pool = [(k, v) for k, v in pool if not (k in seen or seen.add(k))]
+    depth = rng.uniform(0.05, 0.95)
+
+    def pairs_for(n: int) -> tuple[list[str], int]:
+        n = max(n, 2)
+        ask = min(n - 1, round(depth * (n - 1)))
+        return [f'"{k}": {v}' for k, v in pool[:n]], ask
+
+    def render(n: int) -> tuple[str, str]:
+        lines, ask = pairs_for(n)
+        key = pool[ask][0]
+        question = f'What is the value of the key "{key}" in the list above? Answer with the number only.'
+        text = _context_and_question(["Here is a list of keys and their values, one pair a line:", *lines],
+                                     question)  # fmt: skip
+        return text, f'The value of the key "{key}" is:'
+
+    # The asked pair depends on n; `generate` derives answers and distractors for the n the length search chose.
+    spec = _Spec(render, (), (), (), (depth,), len(pool))
+    spec.kv = (pool, pairs_for)  # type: ignore[attr-defined]
+    return spec
+
+
+def _variable_tracking_spec(rng: random.Random, units: Sequence[str], start: int, big: int) -> _Spec:
+    """Multi-hop tracing: two interleaved chains of variable assignments in the filler; the answer is the first
+    chain's names, the second chain's are the distractors."""
+    names_taken: set[str] = set()
+    values_taken: set[str] = set()
+    chains = []
+    for _ in range(2):
+        names = [_var_name(rng, names_taken) for _ in range(CHAIN_HOPS + 1)]
+        value = str(rng.randint(10_000, 99_999))
+        while value in values_taken:
+            value = str(rng.randint(10_000, 99_999))
+        values_taken.add(value)
+        lines = [f"VAR {names[0]} = {value}"] + [
+            f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:], strict=False)
+        ]
+        chains.append((names, value, lines))
+    # Each chain's lines in order at increasing depths; the two chains interleave.
+    depths = _depths(rng, CHAIN_HOPS + 1) + _depths(rng, CHAIN_HOPS + 1)
+    pairs = [(d, line) for d, line in zip(depths, chains[0][2] + chains[1][2], strict=True)]
+    value = chains[0][1]
+    question = (
+        f"Which variables in the text above are assigned the value {value}, directly or through other "
+        f"variables? Answer with the {CHAIN_HOPS + 1} variable names only, separated by spaces."
+    )
+    preface = "Memorize the variable assignments (lines starting with VAR) hidden in the following text."
+
+    prefix = f"The variables assigned the value {value} are:"
+
+    def render(n: int) -> tuple[str, str]:
+        return _context_and_question([preface, *_insert(_window(units, start, n), pairs)], question), prefix
+
+    return _Spec(render, tuple(chains[0][0]), tuple(chains[1][0]), tuple(chains[0][2]),
+                 tuple(depths[: CHAIN_HOPS + 1]), big)  # fmt: skip
 
 
 def _fit(render: Callable[[int], tuple[str, str]], length_fn: LengthFn, length: int, max_units: int,
