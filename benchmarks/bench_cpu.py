@@ -797,9 +797,20 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per level (kernel, engine), the engine's worker and `plot`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_kernel_parser(sub)
+    _add_engine_parser(sub)
+    _add_engine_worker_parser(sub)
+    pl = sub.add_parser("plot", help="rewrite table.md and speedup.png from results.json")
+    pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+    return p
+
+
+def _add_kernel_parser(sub) -> None:
+    """`kernel`: the shapes, threads and inputs of the kernel-level comparison, and an optional old revision."""
     k = sub.add_parser("kernel", help="kernel level: ours vs vLLM's cpu_attention_with_kv_cache")
     k.add_argument("--prefill", type=ints, default=[2048, 4096, 8192])
     k.add_argument("--decode", type=ints, default=[2048, 4096, 8192])
@@ -823,6 +834,10 @@ def main(argv=None) -> int:
                    "calling thread's CPU seconds (other processes on a shared machine do not count; rows with more "
                    "threads stay on wall time)")
     k.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+
+
+def _add_engine_parser(sub) -> None:
+    """`engine`: the model, the sparse checkpoint (or the fitted law that calibrates it) and the runs to time."""
     e = sub.add_parser("engine", help="engine level: SmolLM2 on vLLM's CPU engine, sparse vs dense native")
     e.add_argument("--model", type=Path, default=REPO / ".cache/models/SmolLM2-135M-Instruct")
     e.add_argument("--sparse-ckpt", type=Path, default=None,
@@ -844,31 +859,44 @@ def main(argv=None) -> int:
     e.add_argument("--enforce-eager", action="store_true", help="run both engines eagerly (vLLM's --enforce-eager) "
                    "instead of vLLM's default, the model compiled by torch.compile")
     e.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
+
+
+def _add_engine_worker_parser(sub) -> None:
+    """`engine-worker` (hidden): one engine in its own process, started by `engine`."""
     w = sub.add_parser("engine-worker", help=argparse.SUPPRESS)
     w.add_argument("--model", type=Path, required=True)
     w.add_argument("--max-model-len", type=int, required=True)
     w.add_argument("--sparse", action="store_true")
     w.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     w.add_argument("--enforce-eager", action="store_true")
-    pl = sub.add_parser("plot", help="rewrite table.md and speedup.png from results.json")
-    pl.add_argument("--out", type=Path, default=Path("artifacts/bench_cpu"))
-    args = p.parse_args(argv)
-    if args.cmd == "kernel":
-        global REAL_INPUTS
-        if not args.synthetic:
-            import attention_inputs
 
-            path = args.inputs or attention_inputs.default_inputs_path()
-            if path is None or not Path(path).is_file():
-                print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
-                return 2
-            REAL_INPUTS = attention_inputs.load_inputs(path)
-            m = REAL_INPUTS.meta
-            print(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens), tiled to each shape")
-            write_json(args.out, "inputs", {k: v for k, v in m.items()})
-        else:
-            print("inputs: synthetic (sink, salience, recency, noise)")
-            write_json(args.out, "inputs", "synthetic")
+
+def _load_kernel_inputs(args) -> bool:
+    """Set REAL_INPUTS from the capture (or leave it None for --synthetic) and record which in inputs.json; False
+    (after saying why) when there is no capture to load."""
+    global REAL_INPUTS
+    if not args.synthetic:
+        import attention_inputs
+
+        path = args.inputs or attention_inputs.default_inputs_path()
+        if path is None or not Path(path).is_file():
+            print(attention_inputs.missing_message(path=args.inputs), file=sys.stderr)
+            return False
+        REAL_INPUTS = attention_inputs.load_inputs(path)
+        m = REAL_INPUTS.meta
+        print(f"inputs: {path} ({m['source']}, layer {m['layer']}, {m['tokens']} tokens), tiled to each shape")
+        write_json(args.out, "inputs", {k: v for k, v in m.items()})
+    else:
+        print("inputs: synthetic (sink, salience, recency, noise)")
+        write_json(args.out, "inputs", "synthetic")
+    return True
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "kernel":
+        if not _load_kernel_inputs(args):
+            return 2
         if args.quick:
             args.prefill, args.decode, args.batch, args.threads = [2048, 4096], [2048, 8192], [1], [1]
         run_kernel(args)
