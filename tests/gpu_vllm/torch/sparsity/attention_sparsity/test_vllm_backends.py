@@ -207,6 +207,26 @@ def test_sparse_backends_answer_vllms_capability_questions(kind):
     assert sparse.get_name() == sparse.native_backend.get_name()  # what vLLM logs and keys on
 
 
+@pytest.mark.parametrize("kind", ["flash_attn", "cpu_attn"])
+def test_sparse_metadata_carries_the_native_values_and_the_plan(kind, make_layer, vllm_config):
+    """The sparse builder's metadata is the native builder's for the same step (every field equal), as the sparse
+    metadata class with the plan in its declared field; an engine that serves dense gets the native metadata."""
+    import dataclasses
+
+    native_layer, layer, dense = (make_layer(kind, head_size=D) for _ in range(3))
+    plug.install_sparse_attention([layer], _settings(sf_prefill=8.0, sf_decode=8.0))
+    plug.install_sparse_attention([dense], _settings())  # no calibrated phase: serves dense
+    batch = make_batch([1, 6], [40, 90], dim=D, page=PAGE, num_blocks=NB)
+    md, native = backend_metadata(layer, batch), backend_metadata(native_layer, batch)
+    assert type(md) is layer.attn_backend.get_builder_cls().sparse_metadata_cls and isinstance(md, type(native))
+    for f in dataclasses.fields(native):
+        ours, theirs = getattr(md, f.name), getattr(native, f.name)
+        same = torch.equal(ours, theirs) if isinstance(theirs, torch.Tensor) else ours is theirs or ours == theirs
+        assert same, f.name
+    assert md.modelopt_sparse_plan is not None and md.modelopt_sparse_plan.num_reqs == 2
+    assert type(backend_metadata(dense, batch)) is type(native)
+
+
 def test_checks_ask_the_sparse_backend(make_layer, vllm_config):
     """An attention type the sparse backend does not support (`supports_attn_type`) keeps the layer dense: vLLM's
     encoder-only attention, built as vLLM builds it."""

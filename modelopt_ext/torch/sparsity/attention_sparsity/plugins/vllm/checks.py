@@ -209,7 +209,7 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
                                  "--kv-cache-dtype auto"))
     if getattr(model, "use_mla", False) is True and not SparseCapabilities.is_mla():  # vLLM's question
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
-    out += _predicted_sliding_layers(model)
+    out += [] if SparseCapabilities.supports_sliding_window() else _predicted_sliding_layers(model)
     out += _predicted_chunk_local_layers(model)
     return out
 
