@@ -1,10 +1,10 @@
 """The per-step sparse plan: what every sparse layer of a step needs, prepared once by the metadata builder.
 
-A sparse backend's metadata builder (plugins/vllm/backends.py) owns one `SparsePlanner` and, in `build`, attaches a
-`SparsePlan` to the metadata it returns (attribute `PLAN_ATTR`). Each layer's forward then only runs the kernel
-with the plan's tensors, through the kernels' internal launch entry (`kernel_launcher`): everything a step needs is
-normalised here, once, into the form the kernels take, so `forward` does no validation, no normalisation, no host
-synchronisation and no copy of the query.
+A sparse backend's metadata builder (plugins/vllm/backends/base.py) owns one `SparsePlanner` and, in `build`, puts a
+`SparsePlan` in the metadata it returns (the declared field `PLAN_ATTR` of the sparse metadata classes). Each layer's
+forward then only runs the kernel with the plan's tensors, through the kernels' internal launch entry
+(`kernel_launcher`): everything a step needs is normalised here, once, into the form the kernels take, so `forward`
+does no validation, no normalisation, no host synchronisation and no copy of the query.
 
 The planner holds one object per concern, each with its own small state:
 
@@ -39,7 +39,7 @@ from .step_geometry import StepGeometry
 logger = logging.getLogger(__name__)
 
 PLAN_ATTR = "modelopt_sparse_plan"
-"""Attribute name of the `SparsePlan` on a vLLM attention-metadata object."""
+"""Name of the `SparsePlan` field of the sparse metadata classes (plugins/vllm/backends/)."""
 
 
 @dataclasses.dataclass(eq=False)
