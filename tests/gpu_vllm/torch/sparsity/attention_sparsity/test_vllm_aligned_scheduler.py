@@ -11,6 +11,7 @@ the kernels' decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -109,6 +110,7 @@ def _run(scheduler, prompts: list[list[int]], block: int, *, stagger: int = 0, m
     chunks it emitted, as (request id, start, length, prompt length), and the hits of the new requests."""
     from vllm.v1.outputs import ModelRunnerOutput
 
+    with_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
     pending = [_request(p, block) for p in prompts]
     chunks, hits, finished = [], [], set()
     ids = {r.request_id for r in pending}
@@ -129,8 +131,8 @@ def _run(scheduler, prompts: list[list[int]], block: int, *, stagger: int = 0, m
             chunks.append((req_id, start, n, request.num_prompt_tokens))
             sampled.append([11] if start + n >= request.num_tokens else [])
         req_ids = [rid for rid, _ in starts]
-        runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled)  # fmt: skip
+        index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} if with_index else {}  # gone in 0.34
+        runner = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **index)
         for outputs in scheduler.update_from_output(output, runner).values():
             finished |= {o.request_id for o in outputs.outputs if o.finish_reason is not None}
         if not pending and finished >= ids:

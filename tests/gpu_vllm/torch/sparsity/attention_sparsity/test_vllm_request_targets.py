@@ -144,6 +144,9 @@ def test_admission_through_vllm_validation_hook(monkeypatch):
     ValueError (an HTTP 400 on the OpenAI server); where vLLM's hook converts a processor's ValueError, the caller
     gets vLLM's VLLMValidationError, elsewhere the plugin's RequestTargetError (a ValueError) itself."""
     from vllm.exceptions import VLLMValidationError
+
+    if admission.SparseAttentionTargets is None:
+        pytest.skip("this vLLM has no model runner V1 logits-processor interface (0.34: model runner V1 is gone)")
     from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -180,7 +183,8 @@ def test_admission_through_vllm_validation_hook(monkeypatch):
 
 def test_model_runner_v2_checks_targets_at_admission_and_refuses_them_with_pipeline_stages(monkeypatch):
     """Model runner V2 takes its own processor interface: the same admission checks; with pipeline parallelism V2
-    hands request params only to the last stage, so a target is refused there, naming the switch."""
+    hands request params only to the last stage, so a target is refused there, naming the switch to model runner V1
+    where this vLLM has one (up to 0.33; 0.34 has only V2, and no `use_v2_model_runner`)."""
     from vllm.exceptions import VLLMValidationError
 
     if admission.SparseAttentionTargetsV2 is None:
@@ -191,7 +195,8 @@ def test_model_runner_v2_checks_targets_at_admission_and_refuses_them_with_pipel
     config = engine_config()
     saved = config.model_config.logits_processors
     try:
-        assert config.use_v2_model_runner and admission.enable_admission_checks(config, _settings())
+        v2_only = admission.SparseAttentionTargets is None  # no model runner V1 (0.34)
+        assert (v2_only or config.use_v2_model_runner) and admission.enable_admission_checks(config, _settings())
         (fqcn,) = config.model_config.logits_processors
         assert fqcn.endswith(":SparseAttentionTargetsV2")
         validate = build_custom_logits_processors_params_validator([fqcn])  # loads it by name, as the server does
@@ -207,7 +212,8 @@ def test_model_runner_v2_checks_targets_at_admission_and_refuses_them_with_pipel
         assert fqcn.endswith(":SparseAttentionTargetsV2Staged")
         validate = build_custom_logits_processors_params_validator([fqcn])
         validate(SamplingParams(extra_args={"unrelated": 1}))
-        with pytest.raises(VLLMValidationError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        switch = "no model runner V1" if v2_only else "VLLM_USE_V2_MODEL_RUNNER=0"
+        with pytest.raises(VLLMValidationError, match=switch):
             validate(SamplingParams(extra_args={"sparse_attn_target": 0.5}))
     finally:
         admission.disable_admission_checks()

