@@ -29,7 +29,7 @@ from .admission import disable_admission_checks, enable_admission_checks
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
 from .metrics import export_to_prometheus, stop_exporting
-from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
+from .worker import SparseAttnWorkerExtension, install_for_serving, maybe_log_sparsity, worker_extension_cls
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _patch_worker_class(cls) -> None:
             result = original_execute(self, *args, **kwargs)
         finally:
             self._modelopt_ext_executing = False
-        _maybe_log_sparsity(self)
+        maybe_log_sparsity(self)
         return result
 
     load_model.__modelopt_original__ = original_load
@@ -148,7 +148,7 @@ def _align_prefill_chunks(config, settings) -> None:
     """An engine that may run sparse or calibrate cuts prompts into calls only at multiples of 64 positions (block
     decisions, plugins/vllm/aligned_scheduler.py): its `scheduler_cls`, set here, reaches the engine-core process
     with the config, before that process builds its scheduler."""
-    from .aligned_scheduler import engine_may_run_sparse, install_aligned_scheduler
+    from .scheduler_install import engine_may_run_sparse, install_aligned_scheduler
 
     if engine_may_run_sparse(config, settings):
         install_aligned_scheduler(config)
