@@ -30,6 +30,7 @@ from vllm.v1.request import Request  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import aligned_scheduler as al  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import prefill_alignment as rules  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import scheduler_install as inst  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prefix_keys import PrefixKeyMixin  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.scheduler_hooks import (  # noqa: E402
     LOOKAHEAD_HOOK,
     SPLIT_HOOK,
@@ -304,7 +305,7 @@ def test_install_composes_with_a_users_scheduler():
         name = config.scheduler_config.scheduler_cls
         assert isinstance(name, str) and name.startswith(f"{al.__name__}.AlignedOver_")
         cls = config.scheduler_config.get_scheduler_cls()  # vLLM resolves it by name, as its engine core does
-        assert cls.__mro__[1:3] == (al.AlignedPrefillMixin, UserScheduler)
+        assert cls.__mro__[1:4] == (al.AlignedPrefillMixin, PrefixKeyMixin, UserScheduler)  # keyed prefix cache too
     scheduler = _make_scheduler(cls, budget=200)
     run = _run(scheduler, _prompts(**WORKLOAD), 16, stagger=4)
     assert not _off_grid(run["chunks"]) and scheduler.user_steps == run["steps"]

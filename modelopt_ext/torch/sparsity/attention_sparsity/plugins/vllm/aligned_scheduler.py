@@ -26,6 +26,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .prefill_alignment import ALIGN, aligned_chunk_length, aligned_hit, is_aligned_chunk
+from .prefix_keys import PrefixKeyMixin
 from .scheduler_hooks import LOOKAHEAD_HOOK, SPLIT_HOOK, scheduler_hooks
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,9 @@ _COMPOSED_PREFIX = "AlignedOver_"
 _LOGGED_VIOLATIONS = 8  # off-grid chunks logged one by one; after that only every 1000th
 
 
-class AlignedPrefillMixin:
-    """Put in front of a vLLM `Scheduler` (sub)class: prefill chunks and prefix-cache hits on multiples of `ALIGN`.
+class AlignedPrefillMixin(PrefixKeyMixin):
+    """Put in front of a vLLM `Scheduler` (sub)class: prefill chunks and prefix-cache hits on multiples of `ALIGN`
+    (and, from `PrefixKeyMixin`, the prefix cache keyed by target: plugins/vllm/prefix_keys.py).
 
     `_modelopt_align = False` keeps vLLM's scheduling and only checks and traces it (the benchmark's baseline);
     `_modelopt_hook` forces one of the compat hooks (tests), default: what `scheduler_hooks.scheduler_hooks` detects.

@@ -9,7 +9,8 @@ When things happen:
    layer can run sparse is refused (plugins/vllm/checks.py); a mistake stops start-up there, one line per reason.
    A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`, and the check of
    per-request targets at admission through vLLM's `logits_processors` (plugins/vllm/admission.py). An engine that
-   may run sparse gets the aligned prefill scheduler through vLLM's `scheduler_cls` (plugins/vllm/aligned_scheduler.py).
+   may run sparse gets the aligned prefill scheduler through vLLM's `scheduler_cls` (plugins/vllm/aligned_scheduler.py),
+   which also keys the prefix cache by each request's law (plugins/vllm/prefix_keys.py).
 2. Each worker, before `load_model` loads weights: the same checks (engines created without EngineArgs).
 3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm/install.py) gives every covered
    layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
@@ -138,6 +139,7 @@ def _wrap_engine_config_check() -> None:
                 enable_admission_checks(config, settings)  # per-request targets: refused at admission if invalid
                 export_to_prometheus()  # realized sparsity on this server's /metrics (workers inherit the dir)
             _align_prefill_chunks(config, settings)
+            _key_prefix_cache(config, settings)
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)
@@ -152,6 +154,14 @@ def _align_prefill_chunks(config, settings) -> None:
 
     if engine_may_run_sparse(config, settings):
         install_aligned_scheduler(config)
+
+
+def _key_prefix_cache(config, settings) -> None:
+    """A request served with another law than the checkpoint's reuses only cached blocks of that law
+    (plugins/vllm/prefix_keys.py): the aligned scheduler keys them; an engine without it gets `KeyedScheduler`."""
+    from .prefix_keys import install_prefix_keys
+
+    install_prefix_keys(config, settings)
 
 
 def _worker_classes() -> list:

@@ -11,7 +11,7 @@ scheduler runs here), so it lives apart from the classes it names.
 Where a release offers neither hook, `install_aligned_scheduler` serves prompts whole instead (chunked prefill and
 prefix caching off, as vLLM's CPU platform does for MLA), with a warning naming the reason.
 `MODELOPT_EXT_SPARSE_ATTN_ALIGN_PREFILL=0` leaves vLLM's scheduler alone (block decisions may then depend on the
-chunking; logged).
+chunking; logged); the prefix-cache keys then come with `prefix_keys.KeyedScheduler` (plugins/vllm/prefix_keys.py).
 """
 
 from __future__ import annotations
