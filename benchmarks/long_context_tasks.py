@@ -141,7 +141,7 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> 
 def sparse_server(python: str, ckpt: Path, name: str, port: int, max_model_len: int, log_path: Path,
                   extra_args: list[str], start_timeout: float):  # fmt: skip
     """The sparse OpenAI server on 127.0.0.1 (as the serve example starts it, as a user serves it: no dev mode),
-    prefix caching off (not yet keyed by per-request target); yields its base URL and always stops it."""
+    prefix caching off (every request computes its whole prompt); yields its base URL and always stops it."""
     cmd = [python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(ckpt), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
            "--no-enable-prefix-caching", *extra_args]  # fmt: skip

@@ -354,6 +354,25 @@ def main(argv=None) -> int:
     runner.log(f"gpu_check: out={out} budget={budget} dry_run={args.dry_run} "
                f"start={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
 
+    env, notes = phase_environment(runner, args)
+    if not args.skip_tests:
+        phase_gpu_tests(runner, args, out, env)
+    if not args.skip_graphs:
+        phase_graphs(runner, args, out, env)
+    if not args.skip_tune:
+        phase_tune(runner, args, out, env)
+    bench_out = out / "bench"
+    if not args.skip_bench:
+        phase_benchmark(runner, args, bench_out, env)
+    write_summary(runner, args, out, bench_out, notes)
+    fine = ("ok", "no tests") if args.dry_run else ("ok",)
+    bad = [n for n, ph in runner.phases.items() if ph.get("status") not in fine]
+    return 1 if bad else 0
+
+
+def phase_environment(runner: Runner, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """Stage the carried wheels and build the environment every phase's child runs in (the repository and the
+    staged wheels on PYTHONPATH, unbuffered UTF-8 output), written to env.txt: (env, the wheel notes)."""
     site, notes = stage_wheels(runner, Path(args.wheels).resolve() if args.wheels else None, args.pip_install)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), site, env.get("PYTHONPATH")) if x)
@@ -363,77 +382,120 @@ def main(argv=None) -> int:
     for n in notes:
         runner.log(f"[wheels] {n}")
     write_env(runner, env)
+    return env, notes
 
-    # Phase: gpu tests.
-    if not args.skip_tests:
-        tests_path = args.tests_path or ("tests/unit" if args.dry_run else "tests")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *gpu_test_files(REPO / tests_path), "-p",
-               "no:cacheprovider", "-rA", "--continue-on-collection-errors", f"--junitxml={out / 'pytest.xml'}"]
-        cmd += ["--collect-only", "-q"] if args.dry_run else ["-q"]
-        # what the later phases need at least (H200, 2026-12-04: graphs 13 s, tune 53 s; the benchmark fills the
-        # rest), not their timeouts: the tests compile every kernel variant first (about 90 s there)
-        bench_reserve = (
-            (0 if args.skip_bench else (60 if args.dry_run else 150))
-            + (0 if args.skip_graphs else min(args.graphs_timeout, 40 if args.dry_run else 30))
-            + (0 if args.skip_tune else min(args.tune_timeout, 60 if args.dry_run else 90))
-        )
-        timeout = runner.phase_timeout(args.tests_timeout, bench_reserve + 15)
-        runner.run("gpu tests", cmd, timeout, env, "pytest.log")
-    # Phase: CUDA graphs (self-test + eager vs replay latency).
-    if not args.skip_graphs:
-        timeout = runner.phase_timeout(args.graphs_timeout, (0 if args.skip_bench else 150) + 15)
-        cmd = [sys.executable, str(GRAPHS), "--device", "cpu" if args.dry_run else "cuda", "--out", str(out / "graphs")]
-        cmd += ["--quick"] if args.dry_run else []
-        runner.run("graphs", cmd, timeout, env, "graphs.log")
-    # Phase: launch-configuration sweep (ours against ours; before the benchmark, which fills what time is left).
-    if not args.skip_tune:
-        timeout = runner.phase_timeout(args.tune_timeout, (0 if args.skip_bench else 150) + 15)
-        cmd = [sys.executable, str(TUNE), "--out", str(out / "tune"), "--time-budget", f"{max(10.0, timeout - 30):.0f}"]
-        if args.dry_run:
-            cmd += ["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "decode:1:2200", "--heads", "2/1",
-                    "--configs", ";decode_skip=exp"]  # fmt: skip
-        tune_env = dict(env, TRITON_INTERPRET="1") if args.dry_run else env  # Triton runs as Python on a CPU
-        runner.run("tune", cmd, timeout, tune_env, "tune.log")
-        # D = 64 (Llama 3.2 1B, SmolLM2): its default launch has never run on a GPU; the D = 128 winners against it
-        timeout = runner.phase_timeout(60.0, (0 if args.skip_bench else 150) + 15)
-        cmd = [sys.executable, str(TUNE), "--out", str(out / "tune_d64"), "--head-dim", "64", "--time-budget",
-               f"{max(10.0, timeout - 25):.0f}", "--configs", D64_CONFIGS]  # fmt: skip
-        cmd += (["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "prefill:1:200", "--heads", "2/1"]
-                if args.dry_run else ["--shapes", "prefill:1:16384"])  # fmt: skip
-        runner.run("tune d64", cmd, timeout, tune_env, "tune_d64.log")
-    # Phase: benchmark.
-    bench_out = out / "bench"
-    if not args.skip_bench:
-        timeout = runner.phase_timeout(float("inf"), 15)
-        device = "cpu" if args.dry_run else "cuda"
-        cmd = [sys.executable, str(BENCH), "--device", device, "--out", str(bench_out),
-               "--time-budget", f"{max(10.0, timeout - (20 if args.dry_run else 75)):.0f}"]
-        if args.quick or args.dry_run:
-            cmd.append("--quick")
-        if args.wheels:
-            cmd += ["--modelopt-wheels", str(Path(args.wheels).resolve())]
-        if args.dry_run:
-            cmd += ["--modelopt", "kernel-only"]
-        cmd += shlex.split(args.bench_args)
-        runner.run("benchmark", cmd, timeout, env, "bench.log")
 
-    # Phase: summary.
+def phase_gpu_tests(runner: Runner, args: argparse.Namespace, out: Path, env: dict) -> None:
+    """The `gpu`-marked tests (collected only in a dry run), leaving the later phases the time they need."""
+    tests_path = args.tests_path or ("tests/unit" if args.dry_run else "tests")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *gpu_test_files(REPO / tests_path), "-p",
+           "no:cacheprovider", "-rA", "--continue-on-collection-errors", f"--junitxml={out / 'pytest.xml'}"]
+    cmd += ["--collect-only", "-q"] if args.dry_run else ["-q"]
+    # what the later phases need at least (H200, 2026-12-04: graphs 13 s, tune 53 s; the benchmark fills the
+    # rest), not their timeouts: the tests compile every kernel variant first (about 90 s there)
+    bench_reserve = (
+        (0 if args.skip_bench else (60 if args.dry_run else 150))
+        + (0 if args.skip_graphs else min(args.graphs_timeout, 40 if args.dry_run else 30))
+        + (0 if args.skip_tune else min(args.tune_timeout, 60 if args.dry_run else 90))
+    )
+    timeout = runner.phase_timeout(args.tests_timeout, bench_reserve + 15)
+    runner.run("gpu tests", cmd, timeout, env, "pytest.log")
+
+
+def phase_graphs(runner: Runner, args: argparse.Namespace, out: Path, env: dict) -> None:
+    """CUDA graphs: the plugin's capture self-test and eager vs replay decode latency."""
+    timeout = runner.phase_timeout(args.graphs_timeout, (0 if args.skip_bench else 150) + 15)
+    cmd = [sys.executable, str(GRAPHS), "--device", "cpu" if args.dry_run else "cuda", "--out", str(out / "graphs")]
+    cmd += ["--quick"] if args.dry_run else []
+    runner.run("graphs", cmd, timeout, env, "graphs.log")
+
+
+def phase_tune(runner: Runner, args: argparse.Namespace, out: Path, env: dict) -> None:
+    """The launch-configuration sweep (ours against ours), at D = 128 and then D = 64 prefill; before the
+    benchmark, which fills what time is left."""
+    timeout = runner.phase_timeout(args.tune_timeout, (0 if args.skip_bench else 150) + 15)
+    cmd = [sys.executable, str(TUNE), "--out", str(out / "tune"), "--time-budget", f"{max(10.0, timeout - 30):.0f}"]
+    if args.dry_run:
+        cmd += ["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "decode:1:2200", "--heads", "2/1",
+                "--configs", ";decode_skip=exp"]  # fmt: skip
+    tune_env = dict(env, TRITON_INTERPRET="1") if args.dry_run else env  # Triton runs as Python on a CPU
+    runner.run("tune", cmd, timeout, tune_env, "tune.log")
+    # D = 64 (Llama 3.2 1B, SmolLM2): its default launch has never run on a GPU; the D = 128 winners against it
+    timeout = runner.phase_timeout(60.0, (0 if args.skip_bench else 150) + 15)
+    cmd = [sys.executable, str(TUNE), "--out", str(out / "tune_d64"), "--head-dim", "64", "--time-budget",
+           f"{max(10.0, timeout - 25):.0f}", "--configs", D64_CONFIGS]  # fmt: skip
+    cmd += (["--device", "cpu", "--quick", "--dtype", "fp16", "--shapes", "prefill:1:200", "--heads", "2/1"]
+            if args.dry_run else ["--shapes", "prefill:1:16384"])  # fmt: skip
+    runner.run("tune d64", cmd, timeout, tune_env, "tune_d64.log")
+
+
+def phase_benchmark(runner: Runner, args: argparse.Namespace, bench_out: Path, env: dict) -> None:
+    """The kernel benchmark, last: it gets whatever time is left (its own budget a margin below the timeout)."""
+    timeout = runner.phase_timeout(float("inf"), 15)
+    device = "cpu" if args.dry_run else "cuda"
+    cmd = [sys.executable, str(BENCH), "--device", device, "--out", str(bench_out),
+           "--time-budget", f"{max(10.0, timeout - (20 if args.dry_run else 75)):.0f}"]
+    if args.quick or args.dry_run:
+        cmd.append("--quick")
+    if args.wheels:
+        cmd += ["--modelopt-wheels", str(Path(args.wheels).resolve())]
+    if args.dry_run:
+        cmd += ["--modelopt", "kernel-only"]
+    cmd += shlex.split(args.bench_args)
+    runner.run("benchmark", cmd, timeout, env, "bench.log")
+
+
+def write_summary(runner: Runner, args: argparse.Namespace, out: Path, bench_out: Path, notes: list[str]) -> None:
+    """Summary phase: one text (environment, each phase's outcome, the benchmark table) written to summary.txt and
+    printed, and the same facts as summary.json; closes the log."""
     summary: dict = {"out": str(out), "dry_run": args.dry_run, "phases": runner.phases, "wheels": notes}
     lines = ["", "=" * 30 + " GPU CHECK SUMMARY " + "=" * 30]
     env_txt = (out / "env.txt").read_text(encoding="utf-8").splitlines() if (out / "env.txt").is_file() else []
     keep = ("python", "torch", "gpu", "cudnn", "triton", "pytest", "nvidia-modelopt")
     lines += [x for x in env_txt if x.startswith(keep)]
-    if "gpu tests" in runner.phases:
-        ph = runner.phases["gpu tests"]
-        junit = parse_junit(out / "pytest.xml")
-        summary["tests"] = junit
-        tail = pytest_tail(out / "pytest.log")
-        if junit and not args.dry_run:
-            lines.append(f"gpu tests: {ph['status']}: {junit['passed']} passed, {junit['failures']} failed, "
-                         f"{junit['errors']} errors, {junit['skipped']} skipped  ({tail})")
-            lines += [f"  FAILED {t}" for t in junit["failed_tests"]]
-        else:
-            lines.append(f"gpu tests: {ph['status']} ({tail or ph.get('reason', '')})")
+    lines += _tests_summary(runner, args, out, summary)
+    bench_lines, rows, meta = _benchmark_summary(runner, bench_out)
+    lines += bench_lines
+    lines += _reports_summary(runner, out)
+    summary["bench_meta"] = meta
+    summary["bench_rows"] = rows
+    table_txt = bench_out / "table.txt"
+    variants = [x for x in table_txt.read_text(encoding="utf-8").splitlines() if "compiled variants" in x] \
+        if table_txt.is_file() else []
+    lines += ["", summary_table(rows) if rows else "(no benchmark rows)", *variants, "",
+              "x SDPA: vs the fastest dense SDPA backend (named in the note); x own: vs our dense kernel (λ=None); "
+              "x MO: vs ModelOpt 0.47 at the same λ; 2/(2-s): ideal bound at realized tile sparsity s.",
+              f"total {time.monotonic() - runner.t0:.0f} s; logs in {out}"]
+    text = "\n".join(lines)
+    (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
+    runner.log(text)
+    runner.log_fh.close()
+
+
+def _tests_summary(runner: Runner, args: argparse.Namespace, out: Path, summary: dict) -> list[str]:
+    """The gpu tests' summary line (counts from pytest.xml, failed tests named) when the phase ran; records the
+    parsed JUnit report as summary["tests"]."""
+    if "gpu tests" not in runner.phases:
+        return []
+    lines = []
+    ph = runner.phases["gpu tests"]
+    junit = parse_junit(out / "pytest.xml")
+    summary["tests"] = junit
+    tail = pytest_tail(out / "pytest.log")
+    if junit and not args.dry_run:
+        lines.append(f"gpu tests: {ph['status']}: {junit['passed']} passed, {junit['failures']} failed, "
+                     f"{junit['errors']} errors, {junit['skipped']} skipped  ({tail})")
+        lines += [f"  FAILED {t}" for t in junit["failed_tests"]]
+    else:
+        lines.append(f"gpu tests: {ph['status']} ({tail or ph.get('reason', '')})")
+    return lines
+
+
+def _benchmark_summary(runner: Runner, bench_out: Path) -> tuple[list[str], list, dict]:
+    """The benchmark's lines (outcome, ModelOpt baseline, shapes the time budget cut short) from results.json:
+    (lines, its summary rows, its meta); an unreadable results.json is said, not raised."""
+    lines = []
     data: dict = {}
     res = bench_out / "results.json"
     if res.is_file():
@@ -449,6 +511,13 @@ def main(argv=None) -> int:
         skipped = sorted({r["shape"] for r in data.get("records", []) if "time budget" in str(r.get("error"))})
         if skipped:
             lines.append(f"  not (fully) reached in the time budget: {', '.join(skipped)}")
+    return lines, rows, meta
+
+
+def _reports_summary(runner: Runner, out: Path) -> list[str]:
+    """The graphs and tune phases' outcomes, each followed by the text report its script wrote (graphs.txt,
+    tune.txt)."""
+    lines = []
     graphs_txt = out / "graphs" / "graphs.txt"
     if "graphs" in runner.phases:
         lines.append(f"graphs: {runner.phases['graphs']['status']}")
@@ -458,24 +527,7 @@ def main(argv=None) -> int:
         if phase in runner.phases:
             lines.append(f"{phase}: {runner.phases[phase]['status']}")
             lines += tune_txt.read_text(encoding="utf-8").splitlines() if tune_txt.is_file() else []
-    summary["bench_meta"] = meta
-    summary["bench_rows"] = rows
-    table_txt = bench_out / "table.txt"
-    variants = [x for x in table_txt.read_text(encoding="utf-8").splitlines() if "compiled variants" in x] \
-        if table_txt.is_file() else []
-    lines += ["", summary_table(rows) if rows else "(no benchmark rows)", *variants, "",
-              "x SDPA: vs the fastest dense SDPA backend (named in the note); x own: vs our dense kernel (λ=None); "
-              "x MO: vs ModelOpt 0.47 at the same λ; 2/(2-s): ideal bound at realized tile sparsity s.",
-              f"total {time.monotonic() - runner.t0:.0f} s; logs in {out}"]
-    text = "\n".join(lines)
-    (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
-    runner.log(text)
-    runner.log_fh.close()
-    fine = ("ok", "no tests") if args.dry_run else ("ok",)
-    bad = [n for n, ph in runner.phases.items() if ph.get("status") not in fine]
-    return 1 if bad else 0
-
+    return lines
 
 if __name__ == "__main__":
     sys.exit(main())

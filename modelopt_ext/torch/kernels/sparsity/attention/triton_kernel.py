@@ -119,6 +119,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -1049,16 +1050,59 @@ def launch_triton(
     (splits past a sequence's end and sequences with `q_len != 1` exit early).
     """
     batch = seq_lens_k.shape[0]
-    total_q, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    page = k_cache.shape[1]
-    group = num_heads // num_kv_heads
+    total_q = q.shape[0]
     device = q.device
 
     mode, n_trials, counts, log_sf_arg = _law_arguments(log_sf, calibrate, counts, batch, device)
     counts_arg = counts if counts is not None else _placeholder(device, torch.int64)
     if batch == 0 or total_q == 0:
         return counts
+
+    launch = _launch_arguments(
+        q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens_k, prompt_lens, gamma, log_sf_arg, counts_arg,
+        sinks, softmax_scale=softmax_scale, softcap=softcap, mode=mode, n_trials=n_trials,
+    )  # fmt: skip
+    cfg = config if config is not None else default_launch_config(launch.head_dim)
+    if not decode_only:
+        _launch_prefill(launch, cfg, mode)
+    _launch_decode(launch, cfg, block_table, max_seqlen_k, workspace)
+    return counts
+
+
+class _LaunchArguments(NamedTuple):
+    """What the kernels of one `launch_triton` call share, worked out once: the pointer arguments they take first,
+    the float scalars, the strides, the compile-time constants, and the shapes their grids are built from (a
+    NamedTuple: the cheapest record to build on this per-step host path)."""
+
+    tensors: tuple  # q, K/V caches, out, block table, cu_q, kv_lens, and the law's pointers (see _launch_arguments)
+    scalars: tuple[float, float]  # softmax_scale, softcap
+    common_strides: tuple[int, ...]
+    shared: dict  # compile-time constants every kernel takes
+    out: torch.Tensor
+    cu_q: torch.Tensor
+    kv_lens: torch.Tensor
+    batch: int
+    total_q: int
+    num_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    block_d: int
+    page: int
+    device: torch.device
+
+
+def _launch_arguments(
+    q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens_k, prompt_lens, gamma, log_sf_arg, counts_arg,
+    sinks, *, softmax_scale, softcap, mode, n_trials,
+) -> _LaunchArguments:  # fmt: skip
+    """The kernels' shared arguments in the dtypes and layouts they read (int32 lengths, a unit-stride block table),
+    so that each kernel launch only adds its grid and its own constants."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    page = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    device = q.device
 
     cu_q = cu_seqlens_q.to(torch.int32).contiguous()
     kv_lens = seq_lens_k.to(torch.int32).contiguous()
@@ -1076,40 +1120,50 @@ def launch_triton(
         N_TRIALS=n_trials, TRIALS_P2=triton.next_power_of_2(n_trials), MODE=mode, FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
     )  # fmt: skip
+    return _LaunchArguments(
+        tensors=tensors, scalars=(float(softmax_scale), float(softcap)), common_strides=common_strides, shared=shared,
+        out=out, cu_q=cu_q, kv_lens=kv_lens, batch=seq_lens_k.shape[0], total_q=total_q, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_d=block_d, page=page, device=device,
+    )  # fmt: skip
 
-    cfg = config if config is not None else default_launch_config(head_dim)
-    if not decode_only:
-        # Prefill: flattened grid of query blocks aligned to absolute positions (see the module docstring), one
-        # program per query head; up to q_len // BLOCK_Q + 2 blocks per sequence.
-        block_q = cfg.prefill_block_q
-        _prefill_kernel[(total_q // block_q + 2 * batch, num_heads)](
-            *tensors, float(softmax_scale), float(softcap), batch, *common_strides,
-            BLOCK_Q=block_q, V_SKIP=SKIP_MODES[cfg.prefill_skip], FUSED_ACC=cfg.prefill_fused_acc,
-            SPLIT_CAUSAL=cfg.prefill_split_causal, num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
-            **shared,
+
+def _launch_prefill(a: _LaunchArguments, cfg, mode: int) -> None:
+    """The multi-row launches, skipped for a uniform decode batch (`decode_only`), where all their programs would
+    exit."""
+    # Prefill: flattened grid of query blocks aligned to absolute positions (see the module docstring), one
+    # program per query head; up to q_len // BLOCK_Q + 2 blocks per sequence.
+    block_q = cfg.prefill_block_q
+    _prefill_kernel[(a.total_q // block_q + 2 * a.batch, a.num_heads)](
+        *a.tensors, *a.scalars, a.batch, *a.common_strides,
+        BLOCK_Q=block_q, V_SKIP=SKIP_MODES[cfg.prefill_skip], FUSED_ACC=cfg.prefill_fused_acc,
+        SPLIT_CAUSAL=cfg.prefill_split_causal, num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages,
+        **a.shared,
+    )  # fmt: skip
+
+    if mode != 0:
+        # Decode rows of multi-row calls (only the device knows whether there are any): their GQA group's heads
+        # decide together, which a one-head prefill program cannot see. Dense launches leave them to the prefill
+        # kernel (nothing is decided).
+        meta = decode_rows_launch(a.group)
+        _decode_rows_kernel[(a.total_q // meta["BLOCK_R"] + a.batch, a.num_kv_heads)](
+            *a.tensors, *a.scalars, a.batch, *a.common_strides, **meta, **a.shared,
         )  # fmt: skip
 
-        if mode != 0:
-            # Decode rows of multi-row calls (only the device knows whether there are any): their GQA group's heads
-            # decide together, which a one-head prefill program cannot see. Dense launches leave them to the prefill
-            # kernel (nothing is decided).
-            meta = decode_rows_launch(group)
-            _decode_rows_kernel[(total_q // meta["BLOCK_R"] + batch, num_kv_heads)](
-                *tensors, float(softmax_scale), float(softcap), batch, *common_strides, **meta, **shared,
-            )  # fmt: skip
 
+def _launch_decode(a: _LaunchArguments, cfg, block_table, max_seqlen_k, workspace) -> None:
+    """The one-row launches, always made: split-K over the KV length with a grid bounded without reading lengths
+    (CUDA-graph safe), then the merge of the splits when there is more than one."""
     # Decode: (sequence, KV head, split).
-    max_splits = _decode_splits(block_table, page, max_seqlen_k)
-    ws_acc, ws_ml = _decode_workspace(workspace, batch, num_heads, max_splits, block_d, device)
-    _decode_kernel[(batch, num_kv_heads, max_splits)](
-        *tensors, ws_acc, ws_ml, float(softmax_scale), float(softcap), max_splits, *common_strides,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_HEADS=num_heads, V_SKIP=SKIP_MODES[cfg.decode_skip],
-        FUSED_ACC=cfg.decode_fused_acc, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, **shared,
+    max_splits = _decode_splits(block_table, a.page, max_seqlen_k)
+    ws_acc, ws_ml = _decode_workspace(workspace, a.batch, a.num_heads, max_splits, a.block_d, a.device)
+    _decode_kernel[(a.batch, a.num_kv_heads, max_splits)](
+        *a.tensors, ws_acc, ws_ml, *a.scalars, max_splits, *a.common_strides,
+        BLOCK_G=max(16, triton.next_power_of_2(a.group)), NUM_HEADS=a.num_heads, V_SKIP=SKIP_MODES[cfg.decode_skip],
+        FUSED_ACC=cfg.decode_fused_acc, num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, **a.shared,
     )  # fmt: skip
     if max_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            out, cu_q, kv_lens, ws_acc, ws_ml, max_splits, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_HEADS=num_heads, SPLIT_TOKENS=SPLIT_TOKENS,
+        _decode_merge_kernel[(a.batch, a.num_heads)](
+            a.out, a.cu_q, a.kv_lens, ws_acc, ws_ml, max_splits, *a.out.stride(),
+            HEAD_DIM=a.head_dim, BLOCK_D=a.block_d, NUM_HEADS=a.num_heads, SPLIT_TOKENS=SPLIT_TOKENS,
             num_warps=1,
         )  # fmt: skip
-    return counts

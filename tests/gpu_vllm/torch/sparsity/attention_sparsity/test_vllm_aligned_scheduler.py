@@ -1,4 +1,5 @@
-"""The aligned prefill scheduler (plugins/vllm/aligned_scheduler.py) on the real vLLM Scheduler of this environment.
+"""The aligned prefill scheduler (plugins/vllm/aligned_scheduler.py, its rules in prefill_alignment.py, installed by
+scheduler_install.py) on the real vLLM Scheduler of this environment.
 
 Each test builds vLLM's own Scheduler (or AsyncScheduler) with the plugin's mixin in front, a real KV-cache manager
 and prefix cache, real Requests with real block hashes, and drives it the way vLLM's engine core does: `schedule()`,
@@ -28,6 +29,9 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import aligned_scheduler as al  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import prefill_alignment as rules  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm import scheduler_install as inst  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.prefix_keys import PrefixKeyMixin  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.scheduler_hooks import (  # noqa: E402
     LOOKAHEAD_HOOK,
     SPLIT_HOOK,
@@ -35,7 +39,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.scheduler_hooks
     split_call_guarded,
 )
 
-ALIGN = al.ALIGN
+ALIGN = rules.ALIGN
 _IDS = itertools.count()
 
 
@@ -141,7 +145,7 @@ def _run(scheduler, prompts: list[list[int]], block: int, *, stagger: int = 0, m
 
 
 def _off_grid(chunks) -> list:
-    return [c for c in chunks if not al.is_aligned_chunk(c[1], c[2], c[3])]
+    return [c for c in chunks if not rules.is_aligned_chunk(c[1], c[2], c[3])]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,7 +153,7 @@ def _off_grid(chunks) -> list:
 
 
 def test_chunk_rule():
-    f = al.aligned_chunk_length
+    f = rules.aligned_chunk_length
     assert f(0, 200, 1000, 200) == 192  # cut back to a multiple of 64
     assert f(192, 200, 1000, 200) == 192  # ends at 384
     assert f(0, 200, 150, 200) == 200  # reaches the prompt's end: free
@@ -160,9 +164,9 @@ def test_chunk_rule():
     assert f(128, 40, 1000, 200, may_wait=False) == 40  # multimodal request cut by its encoder budget
     assert f(100, 100, 1000, 200) == 92  # an off-grid start re-aligns at the last multiple it reaches (192)
     assert f(100, 20, 1000, 200) == 0
-    assert al.is_aligned_chunk(0, 192, 1000) and al.is_aligned_chunk(960, 40, 1000)
-    assert al.is_aligned_chunk(1000, 1, 1000) and al.is_aligned_chunk(5, 3, 5)
-    assert not al.is_aligned_chunk(0, 200, 1000) and not al.is_aligned_chunk(100, 28, 1000)
+    assert rules.is_aligned_chunk(0, 192, 1000) and rules.is_aligned_chunk(960, 40, 1000)
+    assert rules.is_aligned_chunk(1000, 1, 1000) and rules.is_aligned_chunk(5, 3, 5)
+    assert not rules.is_aligned_chunk(0, 200, 1000) and not rules.is_aligned_chunk(100, 28, 1000)
 
 
 def test_hooks_detected_on_this_vllm():
@@ -276,15 +280,15 @@ def test_install_picks_the_engines_scheduler_class():
     config = _config()
     config.scheduler_config.scheduler_cls = None
     config.scheduler_config.async_scheduling = False
-    assert al.install_aligned_scheduler(config) == "scheduler"
+    assert inst.install_aligned_scheduler(config) == "scheduler"
     assert config.scheduler_config.scheduler_cls == f"{al.__name__}.AlignedScheduler"
     assert config.scheduler_config.get_scheduler_cls() is al.AlignedScheduler
     config = _config()
     config.scheduler_config.scheduler_cls = None
     config.scheduler_config.async_scheduling = True
-    al.install_aligned_scheduler(config)
+    inst.install_aligned_scheduler(config)
     assert config.scheduler_config.get_scheduler_cls() is al.AlignedAsyncScheduler
-    assert al.install_aligned_scheduler(config) == "already installed"
+    assert inst.install_aligned_scheduler(config) == "already installed"
 
 
 class UserScheduler(Scheduler):
@@ -299,11 +303,11 @@ def test_install_composes_with_a_users_scheduler():
     for given in (f"{__name__}.UserScheduler", UserScheduler):
         config = _config()
         config.scheduler_config.scheduler_cls = given
-        al.install_aligned_scheduler(config)
+        inst.install_aligned_scheduler(config)
         name = config.scheduler_config.scheduler_cls
         assert isinstance(name, str) and name.startswith(f"{al.__name__}.AlignedOver_")
         cls = config.scheduler_config.get_scheduler_cls()  # vLLM resolves it by name, as its engine core does
-        assert cls.__mro__[1:3] == (al.AlignedPrefillMixin, UserScheduler)
+        assert cls.__mro__[1:4] == (al.AlignedPrefillMixin, PrefixKeyMixin, UserScheduler)  # keyed prefix cache too
     scheduler = _make_scheduler(cls, budget=200)
     run = _run(scheduler, _prompts(**WORKLOAD), 16, stagger=4)
     assert not _off_grid(run["chunks"]) and scheduler.user_steps == run["steps"]
@@ -317,17 +321,17 @@ def test_install_refuses_a_scheduler_it_cannot_compose_with():
     config = _config()
     config.scheduler_config.scheduler_cls = f"{__name__}.NotAScheduler"
     with pytest.raises(ValueError, match="not a subclass of vLLM's Scheduler.*AlignedPrefillMixin"):
-        al.install_aligned_scheduler(config)
+        inst.install_aligned_scheduler(config)
     config.scheduler_config.scheduler_cls = "no.such.module.Scheduler"
     with pytest.raises(ValueError, match="cannot be imported"):
-        al.install_aligned_scheduler(config)
+        inst.install_aligned_scheduler(config)
 
 
 @pytest.mark.parametrize(("budget", "threshold"), [(48, 0), (2048, 40)])
 def test_install_refuses_budgets_below_one_block(budget, threshold):
     config = _config(budget=budget, long_prefill=threshold)
     with pytest.raises(ValueError, match="at least 64"):
-        al.install_aligned_scheduler(config)
+        inst.install_aligned_scheduler(config)
 
 
 def _old_release_scheduler():
@@ -344,7 +348,7 @@ def test_without_hooks_prompts_are_served_whole():
     assert scheduler_hooks(old).problem
     config = _config()
     config.scheduler_config.scheduler_cls = old
-    assert al.install_aligned_scheduler(config) == "whole prompts"
+    assert inst.install_aligned_scheduler(config) == "whole prompts"
     scheduler, cache = config.scheduler_config, config.cache_config
     assert scheduler.scheduler_cls is old  # left as it was
     assert not scheduler.enable_chunked_prefill and not cache.enable_prefix_caching
@@ -353,10 +357,10 @@ def test_without_hooks_prompts_are_served_whole():
 
 
 def test_switched_off(monkeypatch):
-    monkeypatch.setenv(al.ENV_ALIGN, "0")
+    monkeypatch.setenv(inst.ENV_ALIGN, "0")
     config = _config()
     before = config.scheduler_config.scheduler_cls
-    assert al.install_aligned_scheduler(config) == "off"
+    assert inst.install_aligned_scheduler(config) == "off"
     assert config.scheduler_config.scheduler_cls == before
 
 

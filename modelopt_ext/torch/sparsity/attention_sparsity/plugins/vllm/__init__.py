@@ -9,6 +9,7 @@ This package's `__init__` is the plugin's public face; each concern lives in its
     prompt_lens.py  where each request's prompt length comes from (model runner V1 / V2)
     request_targets.py  a request's own targets (SamplingParams.extra_args) and each row's law from them
     admission.py    per-request targets refused at admission (vLLM's logits-processor validation hook)
+    prefix_keys.py  prefix caching keyed by target: each request's cache salt names its law (the scheduler)
     request_stats.py    realized sparsity per request (device counters, one slot per request)
     metrics.py      realized sparsity on vLLM's Prometheus /metrics (worker files, a collector in the server)
     plan.py         the per-step sparse plan (persistent buffers: prompt lengths, phases, λ-law tensors)

@@ -9,7 +9,8 @@ When things happen:
    layer can run sparse is refused (plugins/vllm/checks.py); a mistake stops start-up there, one line per reason.
    A checkpoint with a block gets the plugin's worker RPCs through vLLM's `worker_extension_cls`, and the check of
    per-request targets at admission through vLLM's `logits_processors` (plugins/vllm/admission.py). An engine that
-   may run sparse gets the aligned prefill scheduler through vLLM's `scheduler_cls` (plugins/vllm/aligned_scheduler.py).
+   may run sparse gets the aligned prefill scheduler through vLLM's `scheduler_cls` (plugins/vllm/aligned_scheduler.py),
+   which also keys the prefix cache by each request's law (plugins/vllm/prefix_keys.py).
 2. Each worker, before `load_model` loads weights: the same checks (engines created without EngineArgs).
 3. After `load_model`, before vLLM allocates the KV cache: install (plugins/vllm/install.py) gives every covered
    layer the sparse backend and impl, so vLLM builds sparse metadata builders and resolves the graph mode from them.
@@ -29,7 +30,7 @@ from .admission import disable_admission_checks, enable_admission_checks
 from .checks import check_checkpoint_config, check_engine_config
 from .env import sparse_attention_enabled
 from .metrics import export_to_prometheus, stop_exporting
-from .worker import SparseAttnWorkerExtension, _maybe_log_sparsity, install_for_serving, worker_extension_cls
+from .worker import SparseAttnWorkerExtension, install_for_serving, maybe_log_sparsity, worker_extension_cls
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _patch_worker_class(cls) -> None:
             result = original_execute(self, *args, **kwargs)
         finally:
             self._modelopt_ext_executing = False
-        _maybe_log_sparsity(self)
+        maybe_log_sparsity(self)
         return result
 
     load_model.__modelopt_original__ = original_load
@@ -138,6 +139,7 @@ def _wrap_engine_config_check() -> None:
                 enable_admission_checks(config, settings)  # per-request targets: refused at admission if invalid
                 export_to_prometheus()  # realized sparsity on this server's /metrics (workers inherit the dir)
             _align_prefill_chunks(config, settings)
+            _key_prefix_cache(config, settings)
         return config
 
     setattr(create_engine_config, _CONFIG_CHECK, True)
@@ -148,10 +150,18 @@ def _align_prefill_chunks(config, settings) -> None:
     """An engine that may run sparse or calibrate cuts prompts into calls only at multiples of 64 positions (block
     decisions, plugins/vllm/aligned_scheduler.py): its `scheduler_cls`, set here, reaches the engine-core process
     with the config, before that process builds its scheduler."""
-    from .aligned_scheduler import engine_may_run_sparse, install_aligned_scheduler
+    from .scheduler_install import engine_may_run_sparse, install_aligned_scheduler
 
     if engine_may_run_sparse(config, settings):
         install_aligned_scheduler(config)
+
+
+def _key_prefix_cache(config, settings) -> None:
+    """A request served with another law than the checkpoint's reuses only cached blocks of that law
+    (plugins/vllm/prefix_keys.py): the aligned scheduler keys them; an engine without it gets `KeyedScheduler`."""
+    from .prefix_keys import install_prefix_keys
+
+    install_prefix_keys(config, settings)
 
 
 def _worker_classes() -> list:

@@ -188,7 +188,7 @@ class SparseAttnWorkerExtension:
         reset_sparsity_stats(worker_model(self))
 
 
-def _maybe_log_sparsity(worker) -> None:
+def maybe_log_sparsity(worker) -> None:
     """Every MODELOPT_EXT_SPARSE_ATTN_LOG_EVERY steps: the realized-sparsity log line and this worker's totals for
     Prometheus (plugins/vllm/metrics.py; every 256 steps when the log is off). One read of the counters."""
     every = log_every()
