@@ -18,6 +18,7 @@ one JSON line per engine step with its prefill chunks (tests and benchmarks/stud
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -228,8 +229,6 @@ def __getattr__(name: str):
 
 def import_by_qualname(qualname: str):
     """What vLLM's `resolve_obj_by_qualname` does with a `scheduler_cls` string (module path, then attribute)."""
-    import importlib
-
     module, _, attr = qualname.rpartition(".")
     return getattr(importlib.import_module(module), attr)
 

@@ -32,6 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
+from modelopt_ext.torch.kernels.sparsity.attention.graph_check import decode_graph_self_test
+
+from .compat import impl_sinks
 from .env import ENV_CUDAGRAPH, cudagraph_choice
 from .kernel_pages import TRITON_PAGE_SIZES
 
@@ -87,9 +91,6 @@ def decide(vllm_config, kv_cache_spec, context) -> GraphDecision:
     shapes = self_test_shapes(vllm_config, kv_cache_spec)
     key = tuple(sorted(shapes.items(), key=lambda kv: kv[0]))
     if key not in _SELF_TESTS:
-        from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
-        from modelopt_ext.torch.kernels.sparsity.attention.graph_check import decode_graph_self_test
-
         start = time.perf_counter()
         _SELF_TESTS[key] = decode_graph_self_test(
             kernel_launcher("triton"), device=device, batch_sizes=SELF_TEST_BATCH_SIZES, **shapes
@@ -105,8 +106,6 @@ def decide(vllm_config, kv_cache_spec, context) -> GraphDecision:
 def _engine_has_sinks(vllm_config) -> bool:
     """Whether any attention layer of the engine serves with attention sinks (gpt-oss): its decode graphs then
     launch the kernel's sinks variant, which is what the self-test must replay."""
-    from .compat import impl_sinks
-
     layers = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     return any(impl_sinks(getattr(layer, "impl", None)) is not None for layer in layers.values())
 

@@ -150,6 +150,9 @@ def _align_prefill_chunks(config, settings) -> None:
     """An engine that may run sparse or calibrate cuts prompts into calls only at multiples of 64 positions (block
     decisions, plugins/vllm/aligned_scheduler.py): its `scheduler_cls`, set here, reaches the engine-core process
     with the config, before that process builds its scheduler."""
+    # Imported here, not at module level (no cycle): vLLM's plugin loader imports this module in every process,
+    # workers included, and the scheduler modules import vLLM's scheduler, which only the process that creates an
+    # engine config needs.
     from .scheduler_install import engine_may_run_sparse, install_aligned_scheduler
 
     if engine_may_run_sparse(config, settings):
@@ -159,7 +162,7 @@ def _align_prefill_chunks(config, settings) -> None:
 def _key_prefix_cache(config, settings) -> None:
     """A request served with another law than the checkpoint's reuses only cached blocks of that law
     (plugins/vllm/prefix_keys.py): the aligned scheduler keys them; an engine without it gets `KeyedScheduler`."""
-    from .prefix_keys import install_prefix_keys
+    from .prefix_keys import install_prefix_keys  # imported here for the reason `_align_prefill_chunks` gives
 
     install_prefix_keys(config, settings)
 

@@ -5,9 +5,11 @@ block decisions").
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
+import textwrap
 
 # Scheduler hooks of the aligned prefill scheduler (plugins/vllm/aligned_scheduler.py; docs/serving.md, "Aligned
 # prefill chunks for block decisions"). Read in the wheels of vLLM 0.16.0 - 0.34.0:
@@ -56,8 +58,6 @@ def _split_skips_async_loads(schedule_fn) -> bool:
     """Whether the waiting-request call of the Mamba split (the one passing the hit's local and external tokens) is
     skipped when the KV connector loads asynchronously: its `if` tests `not load_kv_async` (0.23 - 0.27) or it sits
     in the `else` of `if load_kv_async:` (0.28 on). False where the source cannot be read (conservative)."""
-    import textwrap
-
     try:
         source = textwrap.dedent(inspect.getsource(schedule_fn))
     except (OSError, TypeError):
@@ -67,8 +67,6 @@ def _split_skips_async_loads(schedule_fn) -> bool:
 
 def split_call_guarded(source: str) -> bool:
     """`_split_skips_async_loads` on the source text of a `schedule()` method."""
-    import ast
-
     try:
         tree = ast.parse(source)
     except SyntaxError:
