@@ -20,7 +20,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
+    build_sparse_attention_config,
+    linked_checkpoint_copy,
+    write_sparse_attention_config,
+)
 from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import free_port, sparse_metrics  # noqa: F401
+
+FIXED_FITS = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}
+"""ModelOpt's law with the fit SmolLM2 gets on the CPU engine's calibration (benchmarks/fidelity.py): λ in (0, 1) at
+every length the e2e tests serve, so every row can drop tiles."""
+
+
+def fixed_fit_checkpoint(src: Path, dst: Path, target_sparsity: float = 0.5) -> Path:
+    """A linked copy of the checkpoint `src` at `dst` with a sparse block of `FIXED_FITS` at `target_sparsity` (no
+    calibration run: for tests of serving, not of calibrating)."""
+    ckpt = linked_checkpoint_copy(src, dst)
+    write_sparse_attention_config(ckpt, build_sparse_attention_config(FIXED_FITS, target_sparsity=target_sparsity))
+    return ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "vllm_serve"

@@ -19,9 +19,7 @@ import textwrap
 import threading
 
 import pytest
-from e2e_lib import env, free_port, http_json, server_process
-
-from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
+from e2e_lib import env, fixed_fit_checkpoint, free_port, http_json, server_process
 
 pytestmark = pytest.mark.e2e
 
@@ -61,15 +59,7 @@ DRIVER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def sparse_ckpt(smollm2_checkpoint, tmp_path_factory):
-    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
-        build_sparse_attention_config,
-        write_sparse_attention_config,
-    )
-
-    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path_factory.mktemp("aligned") / "ckpt")
-    fits = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}  # as test_invariance.py
-    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=0.5))
-    return ckpt
+    return fixed_fit_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("aligned") / "ckpt")
 
 
 def _steps(trace) -> list[dict]:

@@ -14,9 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from e2e_lib import env
-
-from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
+from e2e_lib import env, fixed_fit_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -82,17 +80,7 @@ def _prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def sparse_ckpt(smollm2_checkpoint, tmp_path_factory):
-    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
-        build_sparse_attention_config,
-        write_sparse_attention_config,
-    )
-
-    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path_factory.mktemp("invariance") / "ckpt")
-    # ModelOpt's law with the fit SmolLM2 gets on this machine's calibration (benchmarks/fidelity.py): λ in (0, 1)
-    # at every length here, so every row can drop tiles.
-    fits = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}
-    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=0.5))
-    return ckpt
+    return fixed_fit_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("invariance") / "ckpt")
 
 
 def _serve(ckpt, budget: int, block: int, tmp_path) -> dict:

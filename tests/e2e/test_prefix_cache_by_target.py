@@ -20,9 +20,7 @@ import time
 import urllib.request
 
 import pytest
-from e2e_lib import free_port, http_json, server_process
-
-from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
+from e2e_lib import fixed_fit_checkpoint, free_port, http_json, server_process
 
 pytestmark = pytest.mark.e2e
 
@@ -35,15 +33,7 @@ LOGPROB_TOL = 1e-3  # the same computation up to float32 rounding; another law's
 
 @pytest.fixture(scope="module")
 def sparse_ckpt(smollm2_checkpoint, tmp_path_factory):
-    from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import (
-        build_sparse_attention_config,
-        write_sparse_attention_config,
-    )
-
-    ckpt = linked_checkpoint_copy(smollm2_checkpoint, tmp_path_factory.mktemp("prefix_keys") / "ckpt")
-    fits = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}  # as test_invariance.py
-    write_sparse_attention_config(ckpt, build_sparse_attention_config(fits, target_sparsity=0.5))
-    return ckpt
+    return fixed_fit_checkpoint(smollm2_checkpoint, tmp_path_factory.mktemp("prefix_keys") / "ckpt")
 
 
 def _cache_counters(base: str) -> tuple[float, float]:
