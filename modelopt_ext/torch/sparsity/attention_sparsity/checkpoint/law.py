@@ -12,8 +12,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-PHASES = ("prefill", "decode")
-"""Phase order everywhere a law is laid out per phase (the kernels' phase index: 0 prefill, 1 decode)."""
+from .constants import PHASES  # phase order wherever a law is laid out per phase (kernels: 0 prefill, 1 decode)
+
+__all__ = ["DENSE", "PHASES", "Law", "PhaseLaw"]
 
 
 @dataclass(frozen=True)
