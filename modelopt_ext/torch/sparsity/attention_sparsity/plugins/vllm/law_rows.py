@@ -52,7 +52,6 @@ class LawRows:
     """The per-row law buffers of one planner and the host's view of the laws they hold."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self.device = device
         self.packed = torch.zeros(len(PLANES), capacity, 2, dtype=torch.float32, device=device)
         planes = _planes(self.packed)
         self.c, self.gamma, self._feedback = planes["c"], planes["gamma"], planes["feedback"]
