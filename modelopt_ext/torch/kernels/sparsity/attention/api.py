@@ -17,7 +17,14 @@ import torch
 
 from . import cpu_kernel
 from .reference import paged_skip_softmax_attention_reference
-from .semantics import check_inputs, checked_sinks, default_prompt_lens, normalize_thresholds
+from .semantics import (
+    check_inputs,
+    checked_kv_scale,
+    checked_sinks,
+    default_prompt_lens,
+    is_fp8_cache,
+    normalize_thresholds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +146,16 @@ def paged_skip_softmax_attention(
     prompt_lens: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ):
     """Causal varlen attention over a paged KV cache, dropping key tiles per row per docs/skip_softmax.md.
 
     Args:
         q: [total_q, Hq, D] packed queries (any strides).
         k_cache, v_cache: [num_blocks, page_size, Hkv, D] views of the paged cache (any strides for "torch"), or
-            the 6-D split views of vLLM's CPU `amx` layout (`semantics.cache_geometry`; "torch" and "cpu").
+            the 6-D split views of vLLM's CPU `amx` layout (`semantics.cache_geometry`; "torch" and "cpu"). In q's
+            dtype, or FP8 (`torch.float8_e4m3fn` / `torch.float8_e5m2`) with q in fp16, bf16 or fp32.
         block_table: [B, max_pages] int32 page ids per sequence.
         cu_seqlens_q: [B+1] int32 query offsets; seq_lens_k: [B] int32 key counts including the new tokens.
         softmax_scale: score scale (usually D ** -0.5).
@@ -169,6 +179,8 @@ def paged_skip_softmax_attention(
             cap·tanh(score / cap) before the skip test and the softmax (None or 0: off).
         sinks: attention sinks (gpt-oss), one finite logit per query head ([Hq], scaled-score units, never capped):
             each joins its head's softmax denominator and the skip test's reference max (docs/skip_softmax.md v3).
+        k_scale, v_scale: an FP8 cache's per-layer scales (vLLM's `layer._k_scale_float` / `_v_scale_float`): a
+            key is its FP8 value times k_scale, a value times v_scale (None: 1.0; ignored for other caches).
 
     Returns:
         `out`, or `(out, counts)` with counts [B, T, 2] int64 when calibrating or `return_skip_counts`.
@@ -188,12 +200,15 @@ def paged_skip_softmax_attention(
     want_counts = calibrate or return_skip_counts
     softcap = _checked_softcap(logits_soft_cap)
     sinks = checked_sinks(sinks, q.shape[1], q.device)
+    fp8 = {}
+    if is_fp8_cache(k_cache):
+        fp8 = dict(k_scale=checked_kv_scale(k_scale, "k_scale"), v_scale=checked_kv_scale(v_scale, "v_scale"))
 
     chosen = resolve_backend(backend, q, k_cache)
     counts = _run_backend(
         chosen, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate,
-        out=out, softcap=softcap, sinks=sinks,
+        out=out, softcap=softcap, sinks=sinks, **fp8,
     )
     return (out, counts) if want_counts else out
 
@@ -222,7 +237,7 @@ def kernel_launcher(backend: str):
 
         launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False,
-               totals=None, softcap=0.0, sinks=None) -> counts [B, T, 2] int64, or None
+               totals=None, softcap=0.0, sinks=None[, k_scale=1.0, v_scale=1.0]) -> counts [B, T, 2] int64, or None
 
     The arguments must already be in the backends' form (`normalize_thresholds`: `log_sf` [B, T, 2] float32 with
     -inf for dense phases, or None; `gamma` [B, 2] float32; int32 contiguous `prompt_lens`, `cu_seqlens_q`,
@@ -231,7 +246,8 @@ def kernel_launcher(backend: str):
     `counts` is a persistent int64 [B, T, 2] buffer the launch zeroes and fills (no allocation); `totals` =
     (phase index [B] int64, totals [phases, 2] int64) also adds trial 0's counts into totals[phase[b]] (serving
     statistics; inside the op for the compiled CPU kernel); `softcap` > 0 caps scores (cap·tanh(s / cap)); `sinks`
-    None or a contiguous float32 [Hq] tensor of attention-sink logits (`semantics.checked_sinks`);
+    None or a contiguous float32 [Hq] tensor of attention-sink logits (`semantics.checked_sinks`); `k_scale` /
+    `v_scale` host floats dequantizing an FP8 cache (passed only with one, so builds without them still launch);
     `workspace` and `decode_only` are the Triton kernel's (`triton_kernel.launch_triton`), ignored by the others.
     Resolved once per backend (cached).
     """

@@ -41,8 +41,10 @@ def _ceil_to(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, n_keys: int, dtype) -> torch.Tensor:
+def _gather(cache: torch.Tensor, pages: torch.Tensor, n_keys: int, dtype, scale: float = 1.0) -> torch.Tensor:
     """Keys (or values) 0..n_keys-1 of a batch of page lists: [B, n_keys, Hkv, D]; padding rows are zero.
+
+    An FP8 cache's elements are dequantized: its bytes as `dtype` times `scale` (docs/skip_softmax.md "Inputs").
 
     `pages` is [B, P] (page ids, possibly padding); advanced indexing copies, so any cache strides work, and the
     6-D split views (`cache_geometry`) reshape to [B, n, Hkv, D] since their split axes are adjacent and in order.
@@ -52,6 +54,8 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, n_keys: int, dtype) -> tor
     n_pages = min(pages.shape[1], (n_keys + page_size - 1) // page_size)
     idx = pages[:, :n_pages].long().clamp(0, cache.shape[0] - 1)
     x = cache[idx].to(dtype).reshape(batch, n_pages * page_size, hkv, d)
+    if scale != 1.0:
+        x = x * scale
     if x.shape[1] >= n_keys:
         return x[:, :n_keys]
     return torch.cat([x, x.new_zeros(batch, n_keys - x.shape[1], hkv, d)], dim=1)
@@ -168,17 +172,18 @@ def _cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def _single_row_batch(q, k_cache, v_cache, pages, kv_lens, scale, log_lams, apply_skip, dtype, softcap=0.0,
-                      sinks=None, prompt_lens=None):
+                      sinks=None, prompt_lens=None, kv_scales=(1.0, 1.0)):
     """Sequences with one new row each (decode steps, or a prompt's last row alone), batched: q [N, Hq, D]; pages
     [N, P]; kv_lens [N] int64; log_lams [N, T] or None; sinks [Hq] or None; prompt_lens [N] or None (every row
-    a decode row). Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2] or None)."""
+    a decode row); kv_scales the FP8 cache's (k_scale, v_scale). Returns (out [N, Hq, D] in `dtype`, counts [N, T, 2]
+    or None)."""
     n, hq, d = q.shape
     hkv = cache_geometry(k_cache)[2]
     group = hq // hkv
     sink_hg = _sinks_by_kv_head(sinks, hkv, dtype)
     kv_pad = _ceil_to(int(kv_lens.max()), TILE_K)
-    k = _gather(k_cache, pages, kv_pad, dtype)  # [N, kv_pad, Hkv, D]
-    v = _zero_past(_gather(v_cache, pages, kv_pad, dtype), kv_lens)
+    k = _gather(k_cache, pages, kv_pad, dtype, kv_scales[0])  # [N, kv_pad, Hkv, D]
+    v = _zero_past(_gather(v_cache, pages, kv_pad, dtype, kv_scales[1]), kv_lens)
     qh = q.to(dtype).reshape(n, hkv, group, d)
     s = _cap(torch.matmul(qh, k.permute(0, 2, 3, 1)).mul_(scale), softcap)  # [N, Hkv, g, kv_pad]
     pos = torch.arange(kv_pad, device=q.device)
@@ -268,7 +273,7 @@ def _decode_sub_batches(single: list[int], lens: list[int], per_key: int):
 
 
 def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
-                           prompt_lens, apply_skip, dtype, softcap, out, counts, sinks) -> None:
+                           prompt_lens, apply_skip, dtype, softcap, out, counts, sinks, kv_scales) -> None:
     """The one-row (decode) sequences, batched: writes their rows of `out` and, when counting, of `counts`."""
     batch = seq_lens_k.shape[0]
     single = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
@@ -286,7 +291,7 @@ def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_
         o, c = _single_row_batch(
             q.index_select(0, rows), k_cache, v_cache, block_table.index_select(0, idx), kv_lens,
             softmax_scale, log_lams, apply_skip, dtype, softcap, sinks,
-            None if prompt_lens is None else prompt_lens.index_select(0, idx),
+            None if prompt_lens is None else prompt_lens.index_select(0, idx), kv_scales,
         )
         out.index_copy_(0, rows, o.to(out.dtype))
         if c is not None:
@@ -294,15 +299,16 @@ def _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_
 
 
 def _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, *, softmax_scale, log_sf, gamma,
-                          prompt_lens, apply_skip, dtype, softcap, out, counts, n_trials, sinks) -> None:
+                          prompt_lens, apply_skip, dtype, softcap, out, counts, n_trials, sinks, kv_scales) -> None:
     """The sequences with several query rows (prefill, chunks), one at a time: writes their rows and counts."""
     for b in range(seq_lens_k.shape[0]):
         q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
         if q1 - q0 <= 1:
             continue
         kv_pad = _ceil_to(kv_len, TILE_K)
-        k = _gather(k_cache, block_table[b : b + 1], kv_pad, dtype)[0]
-        v = _zero_past(_gather(v_cache, block_table[b : b + 1], kv_pad, dtype), seq_lens_k[b : b + 1].long())[0]
+        k = _gather(k_cache, block_table[b : b + 1], kv_pad, dtype, kv_scales[0])[0]
+        v = _gather(v_cache, block_table[b : b + 1], kv_pad, dtype, kv_scales[1])
+        v = _zero_past(v, seq_lens_k[b : b + 1].long())[0]
         log_lams_fn = None
         if log_sf is not None:
             def log_lams_fn(positions, b=b):
@@ -334,6 +340,8 @@ def paged_skip_softmax_attention_reference(
     counts: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Reference backend of `paged_skip_softmax_attention` (arguments already validated and normalised).
 
@@ -342,12 +350,14 @@ def paged_skip_softmax_attention_reference(
     output is dense and counts cover all T trials; otherwise T == 1 and each row's drops are applied.
     `counts`: optional int64 [B, T, 2] buffer to fill instead of a new tensor; `softcap` > 0 caps every score
     (cap·tanh(s / cap)) before the skip test and the softmax; `sinks` (None or float32 [Hq]) are the attention
-    sinks of version 3. Returns counts [B, T, 2] or None.
+    sinks of version 3; `k_scale` / `v_scale` dequantize an FP8 cache (docs/skip_softmax.md "Inputs"). Returns counts
+    [B, T, 2] or None.
     """
     if counts is not None and log_sf is not None:
         counts.copy_(paged_skip_softmax_attention_reference(
             q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
             gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, softcap=softcap, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
         ))  # fmt: skip
         return counts
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -362,7 +372,8 @@ def paged_skip_softmax_attention_reference(
         if lens[b] < cu[b + 1] - cu[b]:
             raise ValueError(f"sequence {b}: seq_lens_k ({lens[b]}) must include its {cu[b + 1] - cu[b]} new tokens")
     step = dict(softmax_scale=softmax_scale, log_sf=log_sf, gamma=gamma, prompt_lens=prompt_lens,
-                apply_skip=not calibrate, dtype=dtype, softcap=softcap, out=out, counts=counts, sinks=sinks)
+                apply_skip=not calibrate, dtype=dtype, softcap=softcap, out=out, counts=counts, sinks=sinks,
+                kv_scales=(float(k_scale), float(v_scale)))
     _reference_single_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, **step)
     _reference_multi_rows(q, k_cache, v_cache, block_table, cu, lens, seq_lens_k, n_trials=n_trials, **step)
     return counts

@@ -57,11 +57,33 @@ def decode_workspace_numel(batch: int, num_heads: int, head_size: int, max_seqle
     return batch * num_heads * splits * block_d, batch * num_heads * splits * 2
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FP8_DTYPES = tuple(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-    if hasattr(torch, name)
-)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""FP8 cache dtypes every path reads (docs/skip_softmax.md "Inputs"): vLLM's `fp8` / `fp8_e4m3` and `fp8_e5m2`."""
+FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Query (model) dtypes served over an FP8 cache."""
+_FNUZ_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """True for an FP8 cache view (its keys and values are the bytes times the layer's scales)."""
+    return cache.dtype in FP8_CACHE_DTYPES
+
+
+def checked_kv_scale(scale, name: str) -> float:
+    """A K or V cache scale as the backends take it: a host float (None: 1.0), finite and > 0. A tensor is read once
+    here (a host sync): the vLLM plugin passes the layer's `_k_scale_float` / `_v_scale_float` instead."""
+    if scale is None:
+        return 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{name} must be one per-layer scale (a float or a 1-element tensor), got shape "
+                             f"{tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float (the layer's FP8 cache scale), got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be finite and > 0 (1.0 when the checkpoint has no KV-cache scales), got {scale}")
+    return float(scale)
 
 
 def is_dense_threshold(lam: float | None) -> bool:
@@ -235,17 +257,21 @@ def check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out
                 f"{name} must be a [num_blocks, page_size, Hkv, D] view, or the 6-D split view of `cache_geometry` "
                 f"(use the plugin's KV-cache view helpers), got shape {tuple(cache.shape)}"
             )
-        if cache.dtype in _FP8_DTYPES:
-            raise NotImplementedError(
-                f"FP8 KV caches ({cache.dtype}) are not supported yet; serve with kv_cache_dtype='auto'"
-            )
+        if cache.dtype in _FNUZ_DTYPES:
+            raise TypeError(f"{name} is {cache.dtype} (ROCm's FP8); the kernels read FP8 caches of {FP8_CACHE_DTYPES}")
     if k_cache.dim() != v_cache.dim() or cache_geometry(k_cache) != cache_geometry(v_cache):
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must hold the same "
                          "[num_blocks, page_size, Hkv, D]")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported query dtype {q.dtype}; expected one of {SUPPORTED_DTYPES}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share one dtype")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share one dtype")
+    if is_fp8_cache(k_cache):
+        if q.dtype not in FP8_QUERY_DTYPES:
+            raise TypeError(f"an FP8 cache ({k_cache.dtype}) is read with a query in {FP8_QUERY_DTYPES}, not {q.dtype}")
+    elif k_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share one dtype "
+                        f"(or the caches be FP8: {FP8_CACHE_DTYPES})")
     hq, d = q.shape[1], q.shape[2]
     _, _, hkv, cache_d = cache_geometry(k_cache)
     if cache_d != d:
