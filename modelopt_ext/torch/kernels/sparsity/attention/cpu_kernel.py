@@ -6,9 +6,10 @@ cached: a second process, or a second run of `make`, loads the cached library in
 directory is keyed on everything the binary depends on (the source and every header, torch version and ABI,
 compiler flags, the CPU's instruction set, the contract's numbers), so two environments or machines sharing a cache
 never load each other's builds, and an edit to any header builds anew. It is built with `-march=native` for the
-machine it runs on. The contract's numbers (TILE_K, SPLIT_TOKENS, DECISION_BLOCK_ROWS, RECENT_WINDOW, the version)
-are not written in the C++: they come from semantics.py as -D defines (`contract_defines`), and the built library
-reports them back (`compiled_contract`).
+machine it runs on. It reads caches in the query's dtype and FP8 caches (float8_e4m3fn, float8_e5m2, with the
+layer's K and V scales). The contract's numbers (TILE_K, SPLIT_TOKENS, DECISION_BLOCK_ROWS, RECENT_WINDOW, the
+version) are not written in the C++: they come from semantics.py as -D defines (`contract_defines`), and the built
+library reports them back (`compiled_contract`).
 
 Where it cannot build (no compiler, no ninja, a failing compile) `unavailable_reason()` says why and `auto` uses
 the PyTorch reference; `MODELOPT_EXT_CPU_KERNEL=0` switches it off. The cache lives in `$MODELOPT_EXT_CACHE_DIR`,
@@ -240,6 +241,9 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
         return f"the compiled CPU kernel runs on CPU tensors (got {q.device})"
     if q.dtype not in CPU_KERNEL_DTYPES:
         return f"the compiled CPU kernel covers {', '.join(str(d) for d in CPU_KERNEL_DTYPES)}, not {q.dtype}"
+    if semantics.is_fp8_cache(k_cache) and k_cache.dim() != 4:
+        return (f"the compiled CPU kernel reads {k_cache.dtype} caches as 4-D [num_blocks, page, Hkv, D] views (vLLM's "
+                "`vec` layout); its 6-D `amx` layout is read for bf16 caches only")
     if k_cache.dim() == 6 and (q.dtype != torch.bfloat16 or tuple(k_cache.shape[i] for i in (2, 5)) != (16, 2)):
         return "the compiled CPU kernel reads 6-D cache views only as vLLM's bf16 amx layout (K [.., 16, Hkv, .., 2])"
     return unavailable_reason()
@@ -267,6 +271,8 @@ def paged_skip_softmax_attention_cpu(
     totals: tuple[torch.Tensor, torch.Tensor] | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Compiled CPU backend (same arguments and result as the reference backend).
 
@@ -279,6 +285,8 @@ def paged_skip_softmax_attention_cpu(
     `sinks`: None or the attention sinks as a contiguous float32 [Hq] CPU tensor (`semantics.checked_sinks`).
     `totals`: optional (phase index [>= B] int64, totals [phases, 2] int64): trial 0's counts of sequence b are also
     added into totals[phase[b]] (serving statistics, inside the op). Returns counts [B, T, 2] int64 or None.
+    FP8 caches (`semantics.FP8_CACHE_DTYPES`, 4-D views, q and out in fp32 / bf16 / fp16) are read in place: a slot's
+    key and value are its bytes times `k_scale` and `v_scale` (finite, > 0; 1.0 for other caches).
     """
     op, reason = _load()
     if op is None:
@@ -287,21 +295,27 @@ def paged_skip_softmax_attention_cpu(
         q, k_cache, v_cache, _int32(block_table), _int32(cu_seqlens_q), _int32(seq_lens_k),
         softmax_scale=float(softmax_scale), log_sf=log_sf, gamma=gamma, prompt_lens=_int32(prompt_lens),
         calibrate=bool(calibrate), out=out, counts=counts, totals=totals, softcap=float(softcap), sinks=sinks, op=op,
+        k_scale=float(k_scale), v_scale=float(v_scale),
     )  # fmt: skip
 
 
 def launch_cpu(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma,
                prompt_lens, calibrate, out, counts=None, totals=None, max_seqlen_k=None, workspace=None,
-               decode_only=False, softcap=0.0, sinks=None, op=None):  # fmt: skip
+               decode_only=False, softcap=0.0, sinks=None, op=None, k_scale=1.0, v_scale=1.0):  # fmt: skip
     """The launch without conversions (the vLLM plugin's plan holds int32 contiguous tensors and float32 laws):
     one call of the compiled op. Same arguments as `paged_skip_softmax_attention_cpu`; `op` launches another build of
     the op with the same schema instead of this one (`bench_cpu.py --baseline-rev`: old and new then pay the same
-    launch cost; without sinks the call passes no `sinks` argument, so builds older than sinks take it too)."""
+    launch cost; without sinks the call passes no `sinks` argument, and with scales of 1.0 no scales, so builds
+    older than sinks or FP8 caches take it too)."""
     op = op or _state.get("op") or _load()[0]
     if op is None:
         raise RuntimeError(f"backend='cpu' is unavailable: {unavailable_reason()}")
     phase_index, phase_totals = totals if totals is not None and log_sf is not None else (None, None)
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale, log_sf, gamma, prompt_lens,
             calibrate, out, counts if log_sf is not None else None, phase_index, phase_totals, softcap)  # fmt: skip
-    result = op(*args) if sinks is None else op(*args, sinks)
+    scaled = k_scale != 1.0 or v_scale != 1.0
+    if scaled:
+        result = op(*args, sinks, k_scale, v_scale)
+    else:
+        result = op(*args) if sinks is None else op(*args, sinks)
     return result if log_sf is not None else None

@@ -14,8 +14,8 @@
 namespace {
 
 // Raw scores of the 16 rows r..r+15 (Q padded past M) against the K tile packed in `buffer`: s[16][64].
-template <typename T>
-inline void Kernel<T>::qk_block_amx(const Scratch& sc, int r, int buffer, float* s) const {
+template <typename T, typename C>
+inline void Kernel<T, C>::qk_block_amx(const Scratch& sc, int r, int buffer, float* s) const {
 #if defined(MODELOPT_EXT_AMX)
   const int D = static_cast<int>(p_.D);
   qk_groups_amx(sc.qb.data() + static_cast<size_t>(r) * D, D, sc.kgrp[buffer], s, NoHook{});
@@ -28,8 +28,8 @@ inline void Kernel<T>::qk_block_amx(const Scratch& sc, int r, int buffer, float*
 // C starts from each row's output, so every row adds its products to O in the same order whichever rows share its
 // block (a row's result never depends on the other rows: batch and chunk invariance). Sixteen consecutive rows of
 // O are loaded in place; other sets are gathered into a contiguous block and scattered back.
-template <typename T>
-inline void Kernel<T>::pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps,
+template <typename T, typename C>
+inline void Kernel<T, C>::pv_block_amx(Scratch& sc, const uint16_t* pp, float* const* orow, int n, int n_steps,
                                     int slot) const {
 #if defined(MODELOPT_EXT_AMX)
   const int D = static_cast<int>(p_.D);
@@ -65,8 +65,8 @@ inline void Kernel<T>::pv_block_amx(Scratch& sc, const uint16_t* pp, float* cons
 // s ~ 0.7 (docs/benchmarks.md). The masks, decisions and exp are the pipelined path's own functions
 // (finish_scores, decide_tile, online_softmax_row), so decisions and counts match it, and outputs bitwise (a row's
 // P·V adds the same products in the same order whichever rows share its tiles).
-template <typename T>
-inline void Kernel<T>::decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
+template <typename T, typename C>
+inline void Kernel<T, C>::decode_tiles(const Item& it, Scratch& sc, int M, int t_begin, int t_end, int first_pos) const {
   const Params& p = p_;
   const int D = static_cast<int>(p.D);
   const int dtiles = D / 16;

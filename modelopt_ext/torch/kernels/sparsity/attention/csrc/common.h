@@ -239,6 +239,74 @@ inline vf loadv(const c10::Half* p) {
   return v;
 }
 
+// FP8 cache elements (docs/skip_softmax.md "Inputs": a slot's key is float(k8) · k_scale), the raw byte. A load
+// converts through fp16, exactly: e5m2 is the high byte of an fp16; e4m3fn's sign, exponent and mantissa moved into
+// an fp16 (sign to bit 15, the rest shifted by 7) read as its value times 2^-8, subnormals included (both formats'
+// subnormals land on fp16 subnormals), so e4m3 elements load in units of 2^-8 and the op folds kCacheUnit = 2^8
+// into the K and V scales. e4m3fn's NaN bytes (0x7f, 0xff) load as ±480, e5m2's as NaN: such bytes may only sit at
+// or past kv_len, where scores are replaced by -inf and V rows are not read.
+struct Fp8E4M3 {
+  uint8_t bits;
+  uint16_t half_bits() const { return static_cast<uint16_t>(((bits & 0x80) << 8) | ((bits & 0x7f) << 7)); }
+  explicit operator float() const { return static_cast<float>(c10::Half(half_bits(), c10::Half::from_bits())); }
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+  uint16_t half_bits() const { return static_cast<uint16_t>(bits << 8); }
+  explicit operator float() const { return static_cast<float>(c10::Half(half_bits(), c10::Half::from_bits())); }
+};
+static_assert(sizeof(Fp8E4M3) == 1 && sizeof(Fp8E5M2) == 1, "FP8 cache elements are one byte");
+
+// What one loaded cache element is worth in units of its value: 2^-8 for e4m3 (see Fp8E4M3), else 1. The op
+// multiplies the K and V scales by the inverse.
+template <typename C>
+constexpr float kCacheUnitInverse = 1.f;
+template <>
+constexpr float kCacheUnitInverse<Fp8E4M3> = 256.f;
+
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, Fp8E4M3> || std::is_same_v<C, Fp8E5M2>;
+
+// kLanes FP8 bytes as fp16 halves (see Fp8E4M3), then fp32 by VCVTPH2PS (exact).
+#if defined(__AVX512F__)
+template <typename C, std::enable_if_t<kIsFp8<C>, int> = 0>
+inline vf loadv(const C* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256i h;
+  if constexpr (std::is_same_v<C, Fp8E5M2>) {
+    h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  } else {  // sign-extended, shifted by 7: bit 15 the sign, bit 14 a copy of it (cleared), bits 7-13 the rest
+    h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  }
+  const __m512 x = _mm512_cvtph_ps(h);
+  vf v;
+  std::memcpy(&v, &x, sizeof(v));
+  return v;
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+template <typename C, std::enable_if_t<kIsFp8<C>, int> = 0>
+inline vf loadv(const C* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  __m128i h;
+  if constexpr (std::is_same_v<C, Fp8E5M2>) {
+    h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+  } else {
+    h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  }
+  const __m256 x = _mm256_cvtph_ps(h);
+  vf v;
+  std::memcpy(&v, &x, sizeof(v));
+  return v;
+}
+#else
+template <typename C, std::enable_if_t<kIsFp8<C>, int> = 0>
+inline vf loadv(const C* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+#endif
+
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // D floats (a multiple of kLanes), inline: memcpy calls of a row in the AMX P·V gather and scatter were ~7 % of the
@@ -334,7 +402,8 @@ struct Params {
   int64_t sv0, sv1, sv2, sv3;
   void* out;
   int64_t so0, so1, so2;
-  float scale;
+  float scale;      // softmax_scale, times k_scale · kCacheUnitInverse for an FP8 cache (scores = (q·k8)·scale)
+  float out_scale;  // the output's factor after the softmax: 1, or v_scale · kCacheUnitInverse for an FP8 cache
   float softcap;  // > 0: scores are cap * tanh(s / cap) before the skip test and the softmax
   const float* sinks;  // [Hq] attention-sink logits (scaled-score units, never capped), or null: none
   const float* log_sf;  // [B, T, 2] or null (dense, no counts)

@@ -36,9 +36,15 @@ namespace {
 constexpr int kPackedMinRows = 16;
 constexpr int kTileMinRows = 3;
 
-template <typename T>
+// T: the query and output dtype; C: the cache element (T, or an FP8 byte: Fp8E4M3, Fp8E5M2). FP8 caches run on the
+// fp32 vector path (their loads convert, common.h) with the K scale folded into Params::scale and the V scale into
+// Params::out_scale; the packed bf16 pairs and vLLM's `amx` layout are bf16 caches only (kPairs).
+template <typename T, typename C = T>
 class Kernel {
  public:
+  // Whether this instance compiles the packed bf16 paths (AMX tiles, VDPBF16PS): bf16 queries on a bf16 cache.
+  static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>;
+
   explicit Kernel(const Params& p) : p_(p) {}
 
   void run_item(const Item& it, Scratch& sc, float* ws) const {
@@ -86,7 +92,7 @@ class Kernel {
     const bool sw_prefetch = sc.packed || M <= kPrefetchMaxRows || kLanes != 16;
     int pending = -1;
 #if defined(MODELOPT_EXT_AMX)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kPairs) {
       if (sc.packed && p.tiles && p.vnni && M < 16) {
         decode_tiles(it, sc, M, t_begin, t_end, first_pos);
         t_begin = t_end;  // the loop below runs no tile
@@ -97,7 +103,7 @@ class Kernel {
       const int slot = t & 1;
       const int npf = sw_prefetch ? prefetch_list(it, sc, t + 1 < t_end ? t + 1 : -1, pending, D) : 0;
       stage_scores(it, sc, t, slot, M, first_pos, npf);
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (kPairs) {
         if (sc.packed && t + 1 < t_end) pack_k_pairs(it, sc, t + 1);
       }
       if (pending >= 0) stage_values(sc, pending, D);
@@ -128,7 +134,7 @@ class Kernel {
       for (int hh = 0; hh < group; ++hh) {
         const int m = r * group + hh;
         const int64_t h = static_cast<int64_t>(kvh) * group + hh;
-        const float inv = 1.f / denominator(sc, m);
+        const float inv = p.out_scale / denominator(sc, m);
         const float* src = sc.o.data() + static_cast<size_t>(m) * D;
         T* dst = op + row * p.so0 + h * p.so1;
         for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(src[d] * inv);
@@ -168,9 +174,9 @@ class Kernel {
     sc.prow.resize(M);
     sc.orow.resize(M);
     sc.vrow.resize(2 * kTileK);
-    sc.kbuf.resize(sizeof(T) * kTileK * D);
+    sc.kbuf.resize(sizeof(C) * kTileK * D);
     sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
-    sc.vbuf.resize(sizeof(T) * 2 * kTileK * D);
+    sc.vbuf.resize(sizeof(C) * 2 * kTileK * D);
     if (p.vnni && sc.kzero.size() != static_cast<size_t>(16) * D) sc.kzero.assign(static_cast<size_t>(16) * D, 0);
 
     const T* qp = static_cast<const T*>(p.q);
@@ -190,7 +196,7 @@ class Kernel {
       if (p.log_sf != nullptr) row_log_lambdas(b, pos, sc.lnl.data() + static_cast<size_t>(r) * group, group, M);
     }
     if (p.sinks != nullptr) seed_sinks(it, sc, M);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kPairs) {
       if (sc.packed) prepare_packed(it, sc, M);
     }
   }
@@ -249,7 +255,7 @@ class Kernel {
       const int64_t row = p.cu[b] + r0 + r;
       const int64_t h = static_cast<int64_t>(kvh) * group + hh;
       T* dst = op + row * p.so0 + h * p.so1;
-      const float inv = 1.f / l;
+      const float inv = p.out_scale / l;
       for (int d = 0; d < D; ++d) dst[d * p.so2] = static_cast<T>(acc[d] * inv);
     }
   }
@@ -479,7 +485,7 @@ class Kernel {
       }
       return;
     }
-    const T** vrow = reinterpret_cast<const T**>(sc.vrow.data()) + slot * kTileK;
+    const C** vrow = reinterpret_cast<const C**>(sc.vrow.data()) + slot * kTileK;
     value_rows(it, sc, kstart, j_end, vrow, slot);
   }
 
@@ -490,8 +496,8 @@ class Kernel {
     float* sbase = sc.s.data() + static_cast<size_t>(slot) * sc.slot_rows * kTileK;
     const int* kept_m = sc.kept_m.data() + static_cast<size_t>(slot) * M;
     const float* kept_g = sc.kept_g.data() + static_cast<size_t>(slot) * M;
-    const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + slot * kTileK;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const C* const* vrow = reinterpret_cast<const C* const*>(sc.vrow.data()) + slot * kTileK;
+    if constexpr (kPairs) {
       if (sc.packed) {
         const int n_steps = pack_v_pairs(sc, vrow, sc.j_end[slot], slot);  // before the exp loop: see run_item
         uint16_t* pp = sc.ppack.data();
@@ -533,7 +539,7 @@ class Kernel {
       }
       return;
     }
-    pv_rows<T>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
+    pv_rows<C>(sc.prow.data(), sc.orow.data(), n_kept, vrow, sc.j_end[slot], D);
   }
 
   // Cache lines to prefetch during tile t's score loop: K of tile `next_t` (in place only: on `vec` its rows are
@@ -549,8 +555,8 @@ class Kernel {
     int n = 0;
     if (next_t >= 0 && p.k_direct) {
       const int64_t kv_len = p.kvlen[it.b];
-      const int64_t bytes = static_cast<int64_t>(p.kc) * sizeof(T);
-      const int64_t stride = p.sk3 * static_cast<int64_t>(sizeof(T));
+      const int64_t bytes = static_cast<int64_t>(p.kc) * sizeof(C);
+      const int64_t stride = p.sk3 * static_cast<int64_t>(sizeof(C));
       for (int c = 0; c < kTileK / p.kc; ++c) {
         const int64_t key0 = static_cast<int64_t>(next_t) * kTileK + c * p.kc;
         if (key0 >= kv_len) break;
@@ -573,8 +579,8 @@ class Kernel {
       return n;
     }
     if (sc.packed && pending_slot >= 0 && p.v_direct) {
-      const T* const* vrow = reinterpret_cast<const T* const*>(sc.vrow.data()) + pending_slot * kTileK;
-      const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
+      const C* const* vrow = reinterpret_cast<const C* const*>(sc.vrow.data()) + pending_slot * kTileK;
+      const int64_t bytes = static_cast<int64_t>(D) * sizeof(C);
       for (int j = 0; j < sc.j_end[pending_slot]; ++j) {
         const char* row = reinterpret_cast<const char*>(vrow[j]);
         for (int64_t off = 0; off < bytes && n < cap; off += 64) pf[n++] = row + off;
@@ -611,16 +617,16 @@ class Kernel {
     return m;
   }
 
-  const T* key_base(int b, int kvh, int64_t key) const {
+  const C* key_base(int b, int kvh, int64_t key) const {
     const Params& p = p_;
     const int64_t blk = p.bt[b * p.P + key / p.page];
-    return static_cast<const T*>(p.k) + blk * p.sk0 + (key % p.page) * p.sk1 + kvh * p.sk2;
+    return static_cast<const C*>(p.k) + blk * p.sk0 + (key % p.page) * p.sk1 + kvh * p.sk2;
   }
 
-  const T* value_base(int b, int kvh, int64_t key) const {
+  const C* value_base(int b, int kvh, int64_t key) const {
     const Params& p = p_;
     const int64_t blk = p.bt[b * p.P + key / p.page];
-    return static_cast<const T*>(p.v) + blk * p.sv0 + (key % p.page) * p.sv1 + kvh * p.sv2;
+    return static_cast<const C*>(p.v) + blk * p.sv0 + (key % p.page) * p.sv1 + kvh * p.sv2;
   }
 
   // `amx` layout: the 16-key K group that starts at key0 (key0 % 16 == 0): D/2 rows of 64 bytes.
@@ -652,7 +658,7 @@ class Kernel {
     // Keys per micro-kernel step. Many rows (prefill): with 16 lanes the whole 64-key tile where K is read in place
     // from pages of whole tiles (6 rows x 4 vectors), else 32 keys (12 x 2); with 8 lanes 16 keys (6 x 2). Few rows
     // (decode, a GQA group): 32 keys where the page allows (8 lanes: 3 x 4; 16 lanes: 12 x 2), else 16.
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (kPairs) {
       if (sc.packed) {  // Q·K in row blocks (16 on tiles, 6 on VDPBF16PS), prefetches spread over them
         if (sc.k_tile[t & 1] != t) pack_k_pairs(it, sc, t);
         if (p_.tiles) {
@@ -710,19 +716,19 @@ class Kernel {
       const char* const* pf = sc.pf.data() + static_cast<size_t>(c) * per_chunk;
       const int n_pf = std::max(0, std::min(per_chunk, npf - c * per_chunk));
       if (p.k_direct) {
-        qk_rows<T, kc>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kc, pf, n_pf);
+        qk_rows<C, kc>(q, D, rows, key_base(it.b, it.kvh, key0), p.sk3, s + c * kc, pf, n_pf);
       } else {
-        T* buf = reinterpret_cast<T*>(sc.kbuf.data()) + static_cast<size_t>(c) * kc * D;
+        C* buf = reinterpret_cast<C*>(sc.kbuf.data()) + static_cast<size_t>(c) * kc * D;
         for (int jj = 0; jj < kc; ++jj) {
           const int64_t key = key0 + jj;
           if (key < kv_len) {
-            const T* src = key_base(it.b, it.kvh, key);
+            const C* src = key_base(it.b, it.kvh, key);
             for (int d = 0; d < D; ++d) buf[d * kc + jj] = src[d * p.sk3];
           } else {
-            for (int d = 0; d < D; ++d) buf[d * kc + jj] = T(0.f);
+            for (int d = 0; d < D; ++d) buf[d * kc + jj] = C{};
           }
         }
-        qk_rows<T, kc>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
+        qk_rows<C, kc>(q, D, rows, buf, kc, s + c * kc, pf, n_pf);
       }
     }
     finish_scores(it, sc, t, m_lo, M, s);
@@ -877,7 +883,7 @@ class Kernel {
   // >= nj are zeros, so unread rows never meet a zero probability). Returns the number of 32-key steps; their B
   // tiles go to sc.vstep[slot] (base, dim tile stride). On the `amx` layout the cache holds them already: a step
   // whose 32 keys are all read is used in place, only a partial step is copied (its keys >= nj as zeros).
-  int pack_v_pairs(Scratch& sc, const T* const* vrow, int nj, int slot) const {
+  int pack_v_pairs(Scratch& sc, const C* const* vrow, int nj, int slot) const {
 #if defined(MODELOPT_EXT_BF16_PAIRS)
     const int n_steps = (nj + 31) / 32;
     const int dtiles = static_cast<int>(p_.D) / 16;
@@ -997,25 +1003,25 @@ class Kernel {
   // Pointers to V rows kstart .. kstart + nj - 1 (all < kv_len), in place or repacked. The page and the slot in it
   // advance with the key instead of being divided out per row (a 64-bit division per V row and tile cost several
   // percent of a prefill).
-  void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const T** vrow, int slot) const {
+  void value_rows(const Item& it, Scratch& sc, int64_t kstart, int nj, const C** vrow, int slot) const {
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
     const int32_t* pages = p.bt + it.b * p.P;
     int64_t page = kstart / p.page, in_page = kstart % p.page;
-    const T* row = value_base(it.b, it.kvh, kstart);
-    T* buf = reinterpret_cast<T*>(sc.vbuf.data()) + static_cast<size_t>(slot) * kTileK * D;
+    const C* row = value_base(it.b, it.kvh, kstart);
+    C* buf = reinterpret_cast<C*>(sc.vbuf.data()) + static_cast<size_t>(slot) * kTileK * D;
     for (int j = 0; j < nj; ++j) {
       if (p.v_direct) {
         vrow[j] = row;
       } else {
-        T* dst = buf + static_cast<size_t>(j) * D;
+        C* dst = buf + static_cast<size_t>(j) * D;
         for (int d = 0; d < D; ++d) dst[d] = row[d * p.sv3];
         vrow[j] = dst;
       }
       if (++in_page == p.page) {
         in_page = 0;
         ++page;
-        if (j + 1 < nj) row = static_cast<const T*>(p.v) + pages[page] * p.sv0 + it.kvh * p.sv2;
+        if (j + 1 < nj) row = static_cast<const C*>(p.v) + pages[page] * p.sv0 + it.kvh * p.sv2;
       } else {
         row += p.sv1;
       }

@@ -61,9 +61,9 @@
 
 namespace {
 
-template <typename T>
+template <typename T, typename C>
 void run(const Params& p) {
-  Kernel<T> kernel(p);
+  Kernel<T, C> kernel(p);
   const int64_t group = p.group;
   // Rows per item: about the target's (row, head) pairs, in whole decision blocks (version 4: a prompt block's rows
   // decide together, so they are held by one item; its heads are the item's KV head's whole GQA group).
@@ -137,6 +137,18 @@ void run(const Params& p) {
   });
 }
 
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// run<T, C> for queries of type T on a cache of `cache` dtype (T itself, or FP8).
+template <typename T>
+void run_cache(const Params& p, at::ScalarType cache) {
+  switch (cache) {
+    case at::kFloat8_e4m3fn: run<T, Fp8E4M3>(p); break;
+    case at::kFloat8_e5m2: run<T, Fp8E5M2>(p); break;
+    default: run<T, T>(p);
+  }
+}
+
 at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                   const at::Tensor& seq_lens_k, double softmax_scale,
@@ -145,15 +157,23 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const std::optional<at::Tensor>& counts_out,
                                   const std::optional<at::Tensor>& phase_index,
                                   const std::optional<at::Tensor>& phase_totals, double softcap,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks, double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "skip_softmax_attention (CPU kernel): q must be a CPU tensor");
   const bool vnni = k_cache.dim() == 6;
   TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || vnni) && v_cache.dim() == k_cache.dim() && out.dim() == 3,
               "skip_softmax_attention: expected q [total_q, Hq, D], caches [blocks, page, Hkv, D] (or the 6-D views "
               "of vLLM's amx layout), out [N, Hq, D]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "skip_softmax_attention: q, caches and out must share one dtype");
+  const bool fp8 = is_fp8(k_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  (fp8 || k_cache.scalar_type() == q.scalar_type()),
+              "skip_softmax_attention: q, caches and out must share one dtype (or the caches be float8_e4m3fn / "
+              "float8_e5m2 with q and out in float32, bfloat16 or float16)");
+  TORCH_CHECK(!(fp8 && vnni), "skip_softmax_attention: FP8 caches are read as 4-D [blocks, page, Hkv, D] views (the "
+              "6-D amx layout is bf16 only)");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "skip_softmax_attention: k_scale and v_scale must be finite and > 0");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "skip_softmax_attention: k_scale and v_scale apply to FP8 caches only (1.0 otherwise)");
   for (const at::Tensor* t : {&block_table, &cu_seqlens_q, &seq_lens_k, &prompt_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
                 "skip_softmax_attention: block_table, cu_seqlens_q, seq_lens_k, prompt_lens must be contiguous int32");
@@ -237,7 +257,9 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.so0 = out.stride(0);
   p.so1 = out.stride(1);
   p.so2 = out.stride(2);
-  p.scale = static_cast<float>(softmax_scale);
+  const double unit = k_cache.scalar_type() == at::kFloat8_e4m3fn ? kCacheUnitInverse<Fp8E4M3> : 1.0;
+  p.scale = static_cast<float>(softmax_scale * k_scale * unit);  // exactly softmax_scale without FP8
+  p.out_scale = static_cast<float>(v_scale * unit);
   TORCH_CHECK(softcap >= 0.0, "skip_softmax_attention: softcap must be >= 0 (0: off)");
   p.softcap = static_cast<float>(softcap);
   p.calibrate = calibrate;
@@ -254,6 +276,7 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   p.tiles = bf16 && p.D % 32 == 0 && amx_active();
   p.packed = p.tiles || (bf16 && p.D % 16 == 0 && dot_active());
+  if (fp8) p.tiles = p.packed = false;  // FP8 caches: the fp32 vector path (Kernel::kPairs)
 
   at::Tensor counts;
   at::Tensor log_sf_c, gamma_c;
@@ -281,9 +304,9 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
 
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(p); break;
-    case at::kBFloat16: run<c10::BFloat16>(p); break;
-    case at::kHalf: run<c10::Half>(p); break;
+    case at::kFloat: run_cache<float>(p, k_cache.scalar_type()); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(p, k_cache.scalar_type()); break;
+    case at::kHalf: run_cache<c10::Half>(p, k_cache.scalar_type()); break;
     default: TORCH_CHECK(false, "skip_softmax_attention (CPU kernel): unsupported dtype ", q.scalar_type(),
                          "; float32, bfloat16 and float16 are compiled (float64 uses the reference)");
   }
@@ -343,7 +366,7 @@ TORCH_LIBRARY(modelopt_ext_cpu, m) {
       "skip_softmax_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens_k, float softmax_scale, Tensor? log_sf, Tensor gamma, Tensor prompt_lens, bool calibrate, "
       "Tensor(a!) out, Tensor(b!)? counts=None, Tensor? phase_index=None, Tensor(c!)? phase_totals=None, "
-      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
   m.def("bf16_dot(bool? enable=None) -> bool", &bf16_dot);
   m.def("contract() -> int[]", &contract);
