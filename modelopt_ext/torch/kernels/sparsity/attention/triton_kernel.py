@@ -156,28 +156,57 @@ def _load_k_tile(k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in,
 
 
 @triton.jit
-def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd):
-    """V of the tile's keys ([BLOCK_K, BLOCK_D]); masked keys (past kv_len) read as zeros, never as stale data."""
+def _dot_input(x, DOT_T: tl.constexpr):
+    """A loaded cache tile as the input of its dot (`DOT_T`: q's dtype, fp32 for FP32_DOT). A cache in q's dtype: x
+    itself (no code). An FP8 tile: through fp32, exact (FP8 values are exact in fp16, bf16 and fp32); a direct
+    conversion to fp16 loses e5m2 subnormals under the interpreter (Triton 3.8), and on sm_90 the two-step form
+    compiles to the same PTX for fp16 and to fewer instructions for bf16 (cvt f16x2 <- e4m3x2 / e5m2x2, f32, bf16
+    against an integer emulation of e5m2 -> bf16); the cost left is that the converted tile goes back to shared
+    memory for the wgmma."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float32)
+    return x.to(DOT_T)
+
+
+@triton.jit
+def _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
+                 DOT_T: tl.constexpr):  # fmt: skip
+    """V of the tile's keys ([BLOCK_K, BLOCK_D]) as the P·V dot's input (`_dot_input`); masked keys (past kv_len)
+    read as zeros, never as stale data."""
     ptrs = v_ptr + page_id[:, None] * stride_vb + slot[:, None] * stride_vp + kv_head * stride_vh
-    return tl.load(ptrs + offs_d[None, :] * stride_vd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+    v = tl.load(ptrs + offs_d[None, :] * stride_vd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+    return _dot_input(v, DOT_T)
 
 
 @triton.jit
 def _load_v_of_tile(v_ptr, bt_row, kb, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_T: tl.constexpr):  # fmt: skip
     """V of key tile `kb` (zeros past kv_len), page ids read from the block table: the `prefetch` skip mode loads
     the next tile's V this way one tile ahead."""
     kpos = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_in = kpos < kv_len
     page_id = tl.load(bt_row + kpos // PAGE, mask=k_in, other=0).to(tl.int64)
     return _load_v_tile(v_ptr, page_id, kpos % PAGE, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                        stride_vd)
+                        stride_vd, DOT_T)
+
+
+@triton.jit
+def _normalized(acc, l_i, v_scale, V_FP8: tl.constexpr):
+    """The output rows acc / l (l = 0: a row that kept nothing, acc = 0). From an FP8 cache the values are v8 ·
+    v_scale: v_scale is folded into the per-row denominator (l / v_scale, one division per row rather than one
+    product per element; P·V ran on the FP8 values); for other caches no code."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if V_FP8:
+        l_safe = l_safe / v_scale
+    return acc / l_safe[:, None]
 
 
 @triton.jit
 def _scores(q, kt, softmax_scale, softcap, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Scores of a tile in units of `_score_unit`: Q·K as is (the scale is applied per row to the tile's max, and
-    folded with log2(e) into the exp's one FMA per element), or capped scaled scores."""
+    folded with log2(e) into the exp's one FMA per element), or capped scaled scores. An FP8 K tile is converted
+    to q's dtype first (`_dot_input`); its k_scale is in `softmax_scale` (folded on the host)."""
+    kt = _dot_input(kt, q.dtype)
     if FP32_DOT:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
@@ -298,7 +327,7 @@ def _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_D
 @triton.jit
 def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
                 m_i, l_i, acc, s, tile_max, keep_row, unit, v_ahead, MODE: tl.constexpr, V_SKIP: tl.constexpr,
-                FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr):  # fmt: skip
+                FP32_DOT: tl.constexpr, FUSED_ACC: tl.constexpr, DOT_T: tl.constexpr):  # fmt: skip
     """Load the tile's V and fold the kept rows in. When serving (MODE 1) a tile no row keeps is skipped, per
     V_SKIP: 0 a branch around the V load, exp and P·V; 1 V loaded and P·V run for every tile, a branch around the
     exp only (P = 0 and alpha = 1 for a skipped tile: acc unchanged), so Triton software-pipelines the V load as in
@@ -312,7 +341,7 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
         if V_SKIP == 0:
             if any_keep:
                 v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                                 stride_vd)  # fmt: skip
+                                 stride_vd, DOT_T)  # fmt: skip
                 m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT,
                                                        FUSED_ACC)
         elif V_SKIP == 3:
@@ -321,7 +350,7 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
                                                        FUSED_ACC)
         elif V_SKIP == 1:
             v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                             stride_vd)  # fmt: skip
+                             stride_vd, DOT_T)  # fmt: skip
             p = tl.zeros(s.shape, tl.float32)
             alpha = tl.full(m_i.shape, 1.0, tl.float32)
             if any_keep:
@@ -329,12 +358,12 @@ def _value_step(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, st
             acc = _accumulate(acc, alpha, p, v, FP32_DOT, FUSED_ACC)
         else:
             v = _load_v_tile(v_ptr, page_id, slot, k_in & any_keep, kv_head, offs_d, d_in, stride_vb, stride_vp,
-                             stride_vh, stride_vd)  # fmt: skip
+                             stride_vh, stride_vd, DOT_T)  # fmt: skip
             m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT,
                                                    FUSED_ACC)
     else:
         v = _load_v_tile(v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                         stride_vd)  # fmt: skip
+                         stride_vd, DOT_T)  # fmt: skip
         m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, tile_max, keep_row, unit, v, FP32_DOT, FUSED_ACC)
     return m_i, l_i, acc
 
@@ -391,7 +420,7 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
     if MODE == 1:
         if V_SKIP == 3:  # issued before this tile's work, used by the next tile
             v_ahead = _load_v_of_tile(v_ptr, bt_row, kb + 1, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp,
-                                      stride_vh, stride_vd, PAGE, BLOCK_K)  # fmt: skip
+                                      stride_vh, stride_vd, PAGE, BLOCK_K, q.dtype)  # fmt: skip
     s = _scores(q, kt, softmax_scale, softcap, FP32_DOT, SOFTCAP)
     if MASKED:
         s = tl.where(k_in[None, :] & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
@@ -420,7 +449,7 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
     m_split = tl.maximum(m_split, tile_max)
     m_i, l_i, acc = _value_step(
         v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-        m_i, l_i, acc, s, tile_max, keep_row, unit, v_tile, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+        m_i, l_i, acc, s, tile_max, keep_row, unit, v_tile, MODE, V_SKIP, FP32_DOT, FUSED_ACC, q.dtype,
     )  # fmt: skip
     return m_i, m_anchor, m_split, l_i, acc, drops, drops2, v_ahead
 
@@ -428,7 +457,7 @@ def _prefill_tile(kb, q, pos, row_in, kv_len, m_i, m_anchor, m_split, l_i, acc, 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
-    sinks_ptr, softmax_scale, softcap, num_seqs,
+    sinks_ptr, softmax_scale, softcap, v_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -520,7 +549,7 @@ def _prefill_kernel(
     if MODE == 1:
         if V_SKIP == 3:
             v_ahead = _load_v_of_tile(v_ptr, bt_row, 0, kv_len, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh,
-                                      stride_vd, PAGE, BLOCK_K)  # fmt: skip
+                                      stride_vd, PAGE, BLOCK_K, q.dtype)  # fmt: skip
     kb_masked = 0
     if SPLIT_CAUSAL:  # tiles every row of the block sees whole (keys <= the first row's position): no mask
         kb_masked = tl.minimum((first_pos + 1) // BLOCK_K, n_kblocks)
@@ -539,8 +568,7 @@ def _prefill_kernel(
             PAGE, BLOCK_K, SPLIT_BLOCKS, MODE, FP32_DOT, SOFTCAP, V_SKIP, FUSED_ACC, True, HAS_SINKS, BLOCK_Q,
         )  # fmt: skip
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = _normalized(acc, l_i, v_scale, v_ptr.dtype.element_ty.is_fp8())
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & d_in[None, :])
     if MODE != 0:
@@ -561,7 +589,7 @@ def _prefill_kernel(
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
     sinks_ptr, ws_acc_ptr, ws_ml_ptr,
-    softmax_scale, softcap, max_splits,
+    softmax_scale, softcap, v_scale, max_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -669,18 +697,19 @@ def _decode_kernel(
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, V_SKIP, FP32_DOT, FUSED_ACC,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, V_SKIP, FP32_DOT, FUSED_ACC, q.dtype,
         )  # fmt: skip
 
     if n_splits == 1:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        o = _normalized(acc, l_i, v_scale, v_ptr.dtype.element_ty.is_fp8())
         out_ptrs = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_in[:, None] & d_in[None, :])
     else:
         ws_row = (seq.to(tl.int64) * NUM_HEADS + heads) * max_splits + split  # [BLOCK_G]
         tl.store(ws_acc_ptr + ws_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_in[:, None])
         tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=g_in)
+        if v_ptr.dtype.element_ty.is_fp8():  # v_scale in the denominator, as `_normalized`: the merge is unchanged
+            l_i = l_i / v_scale
         tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=g_in)
     if MODE != 0:
         _add_counts(counts_ptr, seq, trials, (kb_end - kb_start) * GROUP, n_drop, N_TRIALS)
@@ -729,7 +758,7 @@ def _decode_merge_kernel(
 @triton.jit(do_not_specialize=["num_seqs"])
 def _decode_rows_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, kv_lens_ptr, prompt_ptr, log_sf_ptr, gamma_ptr, counts_ptr,
-    sinks_ptr, softmax_scale, softcap, num_seqs,
+    sinks_ptr, softmax_scale, softcap, v_scale, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kp, stride_kh, stride_kd,
@@ -834,11 +863,10 @@ def _decode_rows_kernel(
         m_split = tl.maximum(m_split, tile_max)
         m_i, l_i, acc = _value_step(
             v_ptr, page_id, slot, k_in, kv_head, offs_d, d_in, stride_vb, stride_vp, stride_vh, stride_vd,
-            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, 0, FP32_DOT, False,
+            m_i, l_i, acc, s, tile_max, keep_row, unit, 0.0, MODE, 0, FP32_DOT, False, q.dtype,
         )  # fmt: skip
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = _normalized(acc, l_i, v_scale, v_ptr.dtype.element_ty.is_fp8())
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & d_in[None, :])
     n_visited = tl.sum(tl.where(row_in, pos // BLOCK_K + 1, 0), axis=0)
@@ -918,13 +946,22 @@ def decode_rows_launch(group: int) -> dict:
     return dict(BLOCK_G=block_g, BLOCK_R=max(1, DECODE_ROWS_M // block_g), num_warps=4, num_stages=2)
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""FP8 caches the kernels read (as `*fp8e4nv` / `*fp8e5` pointers): a key is its FP8 value times k_scale, a value
+times v_scale (docs/skip_softmax.md "Inputs")."""
+
+
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why the Triton backend cannot take these inputs (dtype, head size, page size), or None when it can.
 
-    Lets a dispatcher fall back to the reference instead of raising (e.g. backend='auto' with float64).
+    Lets a dispatcher fall back to the reference instead of raising (e.g. backend='auto' with float64). The cache is
+    in q's dtype or FP8 (`FP8_CACHE_DTYPES`).
     """
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the Triton backend supports float16, bfloat16 and float32, got {q.dtype}; use backend='torch'"
+    if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_CACHE_DTYPES:
+        return (f"the Triton backend reads caches in q's dtype ({q.dtype}) or FP8 {FP8_CACHE_DTYPES}, got "
+                f"{k_cache.dtype}; use backend='torch'")
     d = q.shape[-1]
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         return f"the Triton backend supports head sizes {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got D={d}; use backend='torch'"
@@ -939,7 +976,9 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 def _check_triton_inputs(q, k_cache, log_sf, calibrate) -> None:
     reason = unsupported_reason(q, k_cache)
     if reason is not None:
-        dtype_problem = q.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        dtype_problem = q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+            k_cache.dtype != q.dtype and k_cache.dtype not in FP8_CACHE_DTYPES
+        )
         raise (TypeError if dtype_problem else ValueError)(reason)
     if log_sf is not None:
         if log_sf.dim() != 3 or log_sf.shape[2] != 2 or log_sf.dtype != torch.float32:
@@ -972,6 +1011,8 @@ def paged_skip_softmax_attention_triton(
     counts: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Triton backend of `paged_skip_softmax_attention` (arguments validated and normalised by the caller).
 
@@ -981,13 +1022,14 @@ def paged_skip_softmax_attention_triton(
     `< total_q` of `out` only. Returns int64 counts [B, T, 2] (visited, dropped row-tiles) or None.
     `max_seqlen_k` (optional host int, an upper bound of `seq_lens_k`) only shrinks the decode grid and
     workspace; without it the bound is `block_table.shape[1] * page_size`. `sinks`: None or float32 [Hq] attention
-    sinks on q's device (`semantics.checked_sinks`).
+    sinks on q's device (`semantics.checked_sinks`). `k_scale`, `v_scale`: an FP8 cache's host-float scales (a key
+    is its FP8 value times k_scale, a value times v_scale; ignored for a cache in q's dtype).
     """
     _check_triton_inputs(q, k_cache, log_sf, calibrate)
     return launch_triton(
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, softmax_scale=softmax_scale, log_sf=log_sf,
         gamma=gamma, prompt_lens=prompt_lens, calibrate=calibrate, out=out, max_seqlen_k=max_seqlen_k, counts=counts,
-        softcap=softcap, sinks=sinks,
+        softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -1030,7 +1072,7 @@ def _decode_workspace(workspace, batch, num_heads, max_splits, block_d, device):
 def launch_triton(
     q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, softmax_scale, log_sf, gamma, prompt_lens,
     calibrate, out, max_seqlen_k=None, counts=None, workspace=None, decode_only=False, softcap=0.0, sinks=None,
-    config=None,
+    config=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     """The launch without checks (the vLLM plugin checked geometry once): same arguments as
     `paged_skip_softmax_attention_triton`, plus what makes it allocation-free and CUDA-graph safe:
@@ -1043,7 +1085,9 @@ def launch_triton(
       (a compiled variant, HAS_SINKS; a launch without sinks compiles exactly the sinkless kernels);
     - `decode_only`: the caller knows every sequence has one new row (a uniform decode batch), so the prefill
       grid, whose programs would all exit, is not launched;
-    - `config`: a `LaunchConfig` (default: `default_launch_config(head_size)`).
+    - `config`: a `LaunchConfig` (default: `default_launch_config(head_size)`);
+    - `k_scale`, `v_scale`: an FP8 cache's per-layer scales, host floats (runtime kernel arguments, graph safe: a
+      captured launch keeps the layer's values); ignored for a cache in q's dtype.
 
     The grids depend only on B, the heads and `max_seqlen_k` (or the block table's width), never on the lengths in
     this step's tensors: a captured launch stays correct when lengths, block tables and λ change between replays
@@ -1061,6 +1105,7 @@ def launch_triton(
     launch = _launch_arguments(
         q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens_k, prompt_lens, gamma, log_sf_arg, counts_arg,
         sinks, softmax_scale=softmax_scale, softcap=softcap, mode=mode, n_trials=n_trials,
+        kv_scales=(k_scale, v_scale),
     )  # fmt: skip
     cfg = config if config is not None else default_launch_config(launch.head_dim)
     if not decode_only:
@@ -1075,7 +1120,7 @@ class _LaunchArguments(NamedTuple):
     NamedTuple: the cheapest record to build on this per-step host path)."""
 
     tensors: tuple  # q, K/V caches, out, block table, cu_q, kv_lens, and the law's pointers (see _launch_arguments)
-    scalars: tuple[float, float]  # softmax_scale, softcap
+    scalars: tuple[float, float, float]  # softmax_scale (times an FP8 cache's k_scale), softcap, v_scale
     common_strides: tuple[int, ...]
     shared: dict  # compile-time constants every kernel takes
     out: torch.Tensor
@@ -1094,10 +1139,12 @@ class _LaunchArguments(NamedTuple):
 
 def _launch_arguments(
     q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens_k, prompt_lens, gamma, log_sf_arg, counts_arg,
-    sinks, *, softmax_scale, softcap, mode, n_trials,
+    sinks, *, softmax_scale, softcap, mode, n_trials, kv_scales=(1.0, 1.0),
 ) -> _LaunchArguments:  # fmt: skip
     """The kernels' shared arguments in the dtypes and layouts they read (int32 lengths, a unit-stride block table),
-    so that each kernel launch only adds its grid and its own constants."""
+    so that each kernel launch only adds its grid and its own constants. An FP8 cache's k_scale is folded into the
+    softmax scale here (every score, the window prepass and the soft cap see (q·k8)·(softmax_scale·k_scale)); its
+    v_scale goes to the kernels, which fold it into the softmax denominator (`_normalized`)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     page = k_cache.shape[1]
@@ -1120,8 +1167,10 @@ def _launch_arguments(
         N_TRIALS=n_trials, TRIALS_P2=triton.next_power_of_2(n_trials), MODE=mode, FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
     )  # fmt: skip
+    k_scale, v_scale = map(float, kv_scales) if k_cache.dtype in FP8_CACHE_DTYPES else (1.0, 1.0)
+    scalars = (float(softmax_scale) * k_scale, float(softcap), v_scale)
     return _LaunchArguments(
-        tensors=tensors, scalars=(float(softmax_scale), float(softcap)), common_strides=common_strides, shared=shared,
+        tensors=tensors, scalars=scalars, common_strides=common_strides, shared=shared,
         out=out, cu_q=cu_q, kv_lens=kv_lens, batch=seq_lens_k.shape[0], total_q=total_q, num_heads=num_heads,
         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_d=block_d, page=page, device=device,
     )  # fmt: skip
