@@ -77,7 +77,7 @@ PYTEST_ARGS ?=
 UNIT_TIMEOUT ?= 900
 E2E_TIMEOUT  ?= 1200
 
-.PHONY: all help venv venv-cpu venv-lint model demo test lint test-unit test-e2e clean-stamps gpu-wheels
+.PHONY: all help venv venv-cpu venv-lint model demo test lint test-unit test-e2e clean-stamps gpu-wheels gpu-kit-rehearsal
 
 all: venv venv-cpu model
 
@@ -175,6 +175,14 @@ GPU_WHEELS := nvidia-modelopt==0.47.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3
 	packaging==26.4 hypothesis==6.155.7 sortedcontainers==2.4.0 pytest-timeout==2.4.0
 gpu-wheels:
 	mkdir -p .whl && python3 -m pip download -q --no-deps --only-binary=:all: -d .whl $(GPU_WHEELS)
+
+# The offline GPU kit (issue #68, docs/gpu_kit.md): vLLM + modelopt-ext as sha256-checked parts in .kit/ for a GPU
+# machine without network, then its whole offline install rehearsed here in a clean venv of the kit's Python (3.12)
+# over stand-ins for what that machine has, and the device calls it takes. Needs PyPI; about 4 GB of downloads.
+gpu-kit-rehearsal:
+	$(PYTHON) scripts/gpu_kit.py build --out .kit
+	$(PYTHON) scripts/gpu_kit.py rehearse --kit .kit --report .kit/rehearsal.json
+	$(PYTHON) scripts/gpu_kit.py plan --kit .kit
 
 # Forget the stamps (not the envs): the next make re-checks each env and adopts or repairs it.
 clean-stamps:
