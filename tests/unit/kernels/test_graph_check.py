@@ -45,6 +45,24 @@ def test_kernels_pass_the_self_test_with_sinks(backend):
     assert problem is None, problem
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_self_test_launches_on_an_fp8_cache_with_its_scales(cache_dtype):
+    """An engine serving an FP8 cache captures launches on FP8 bytes with k_scale / v_scale: every launch of the
+    self-test gets the FP8 caches and the same scales (!= 1), and the reference passes it."""
+    seen = []
+    launch = kernel_launcher("torch")
+
+    def spy(*args, **kwargs):
+        seen.append((args[1].dtype, args[2].dtype, kwargs.get("k_scale"), kwargs.get("v_scale")))
+        return launch(*args, **kwargs)
+
+    problem = decode_graph_self_test(spy, batch_sizes=(3,), rounds=2, capture=replay_by_call, cache_dtype=cache_dtype,
+                                     **SHAPES)  # fmt: skip
+    assert problem is None, problem
+    assert seen and {x[:2] for x in seen} == {(cache_dtype, cache_dtype)}
+    assert {x[2:] for x in seen} == {(0.5, 2.0)}
+
+
 def test_sinks_reach_the_launch_from_their_buffer():
     """With `sinks=True` every launch gets the same float32 [Hq] buffer, its contents new each round; without, no
     launch gets a `sinks` argument (a sinkless model keeps the launch it always had)."""

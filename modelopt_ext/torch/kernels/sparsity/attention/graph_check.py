@@ -13,7 +13,9 @@ keys, as vLLM pads a batch to its captured size), block tables (shuffled pages) 
 drop tiles) in place, poison the output, replay, and compare the output rows and the counts with an eager launch on
 the same inputs (its grid sized from this round's lengths). Padding rows must stay untouched and count nothing.
 With `sinks=True` (a model with attention sinks, gpt-oss) every launch also takes a persistent [Hq] sinks buffer,
-rewritten each round like the rest, so the replay must read the sinks from memory, not from the capture.
+rewritten each round like the rest, so the replay must read the sinks from memory, not from the capture. With an FP8
+`cache_dtype` (an engine serving `--kv-cache-dtype fp8*`) the caches hold FP8 bytes read with scales != 1, as the
+engine's graphs launch them.
 
 `capture(fn) -> replay` is `cuda_graph_capture` on a GPU. Anywhere else the test runs with `replay_by_call`, which
 "replays" by calling the same closure again: the host values it froze at capture (batch size, `max_model_len`,
@@ -58,16 +60,20 @@ def replay_by_call(fn: Callable[[], object]) -> Callable[[], None]:
 class _DecodeBuffers:
     """Persistent inputs of one captured decode launch, rewritten in place between replays."""
 
+    K_SCALE, V_SCALE = 0.5, 2.0  # an FP8 cache's scales: != 1, so a launch that ignored them would differ
+
     def __init__(self, batch, *, num_heads, num_kv_heads, head_size, page_size, max_model_len, dtype, device, gen,
-                 sinks=False):
+                 sinks=False, cache_dtype=None):
         self.batch, self.page, self.max_model_len = batch, page_size, max_model_len
         self.gen, self.dtype, self.device = gen, dtype, device
+        self.cache_dtype = cache_dtype or dtype
+        self.scales = {} if cache_dtype in (None, dtype) else {"k_scale": self.K_SCALE, "v_scale": self.V_SCALE}
         self.width = math.ceil(max_model_len / page_size)
         self.longest = min(max_model_len, 2 * SPLIT_TOKENS + 300)  # three splits: the merge path runs
         self.num_blocks = batch * math.ceil(self.longest / page_size) + 1  # + the null block vLLM pads with
         shape = (self.num_blocks, page_size, num_kv_heads, head_size)
-        self.k = self._randn(shape)
-        self.v = self._randn(shape)
+        self.k = self._cached(self._randn(shape), "k_scale")
+        self.v = self._cached(self._randn(shape), "v_scale")
         self.q = self._randn((batch, num_heads, head_size))
         # A direction every query leans towards and each sequence's first key holds strongly: the anchor tile then
         # stands out as in real attention, so whole GQA groups drop tiles (version 4 decides per group).
@@ -85,6 +91,10 @@ class _DecodeBuffers:
 
     def _randn(self, shape):
         return torch.randn(shape, generator=self.gen, dtype=torch.float32).to(self.device, self.dtype)
+
+    def _cached(self, x, scale: str):
+        """Values as the cache holds them: the model's dtype, or FP8 bytes of x / scale."""
+        return x if not self.scales else (x.float() / self.scales[scale]).to(self.cache_dtype)
 
     def _ints(self, low, high, n):
         return torch.randint(low, high, (n,), generator=self.gen).tolist()
@@ -111,12 +121,12 @@ class _DecodeBuffers:
         self.block_table.copy_(table)
         for row, n in enumerate(lens):
             if n:
-                self.k[int(table[row, 0]), 0] = 8.0 * self.anchor
+                self.k[int(table[row, 0]), 0] = self._cached(8.0 * self.anchor, "k_scale")
             if n > 2 * RECENT_WINDOW and round_index % 3 == 1:
                 # A stronger key inside the row's recent window: its max, not the anchor, is the row's reference
                 # (contract version 5), so decisions depend on where the window lies in this round's pages.
                 pos = n - 1 - int(self._ints(0, RECENT_WINDOW // 2, 1)[0])
-                self.k[int(table[row, pos // self.page]), pos % self.page] = 10.0 * self.anchor
+                self.k[int(table[row, pos // self.page]), pos % self.page] = self._cached(10.0 * self.anchor, "k_scale")
         self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q_lens = [1] * self.live + [0] * (b - self.live)
         self.cu_q.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))
@@ -169,12 +179,14 @@ def decode_graph_self_test(
     capture: Callable[[Callable[[], object]], Callable[[], None]] | None = None,
     seed: int = 0,
     sinks: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> str | None:
     """None when a captured sparse decode launch replays exactly like eager launches; else what went wrong.
 
     `launch` is a kernel launcher (`api.kernel_launcher(backend)`); `capture` defaults to `cuda_graph_capture` on
     a CUDA device and `replay_by_call` elsewhere. `sinks`: launch with attention sinks (one float32 logit per query
-    head, as a gpt-oss model's decode graphs do); False tests the sinkless launch. Exceptions are reported, not
+    head, as a gpt-oss model's decode graphs do); False tests the sinkless launch. `cache_dtype`: the caches' dtype
+    when it is not `dtype` (an FP8 cache, read with scales). Exceptions are reported, not
     raised: a failure means "declare no full-graph support", never "do not start".
     """
     device = torch.device(device)
@@ -185,7 +197,7 @@ def decode_graph_self_test(
         for batch in batch_sizes:
             buf = _DecodeBuffers(batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                                  page_size=page_size, max_model_len=max_model_len, dtype=dtype, device=device,
-                                 gen=gen, sinks=sinks)  # fmt: skip
+                                 gen=gen, sinks=sinks, cache_dtype=cache_dtype)  # fmt: skip
             problem = _replay_rounds(launch, buf, capture, rounds)
             if problem is not None:
                 return problem
@@ -206,6 +218,7 @@ def _replay_rounds(launch: Launch, buf: _DecodeBuffers, capture, rounds: int) ->
 
     # sinks only when the model has them: a sinkless launch keeps the signature every backend always took
     with_sinks = {} if buf.sinks is None else {"sinks": buf.sinks}
+    with_sinks.update(buf.scales)  # an FP8 cache's scales (none otherwise, so older launchers still take the call)
 
     def captured():
         launch(*buf.args(), softmax_scale=scale, log_sf=buf.log_sf, gamma=buf.gamma, prompt_lens=buf.prompt_lens,

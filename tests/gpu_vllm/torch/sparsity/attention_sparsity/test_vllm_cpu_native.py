@@ -31,6 +31,10 @@ if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
 
 from modelopt_ext.torch.kernels.sparsity.attention import paged_skip_softmax_attention  # noqa: E402
 from modelopt_ext.torch.sparsity.attention_sparsity.plugins import vllm as plug  # noqa: E402
+from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import (  # noqa: E402
+    as_cache_dtype,
+    fp8_view_dtype,
+)
 
 AMX_REASON = "needs AMX tiles (Intel Sapphire Rapids or later): vLLM's native 'amx' attention is the baseline"
 HAS_AMX = torch.cpu._is_amx_tile_supported()
@@ -138,6 +142,47 @@ def test_native_writer_matches_views_and_native_attention(isa, page, dim, dtype)
         ours = paged_skip_softmax_attention(
             b.q, k, v, b.block_table, b.qsl, b.seq_lens, softmax_scale=dim**-0.5, backend=backend
         )
+        torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
+
+
+FP8_REASON = "vLLM's CPU FP8 KV cache needs AVX-512 or AMX (its _get_attn_isa refuses it elsewhere)"
+HAS_AVX512 = torch.cpu._is_avx512_supported() or HAS_AMX
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason=FP8_REASON)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_native_writer_matches_views_and_native_attention(kv_cache_dtype, dtype):
+    """vLLM's CPU FP8 cache (uint8 storage, ISA vec, per-layer scales): the views read the bytes vLLM's writer stored
+    (`k / k_scale` as e4m3 / e5m2 in the vec layout), and the kernels on them, dequantized with the scales, match
+    vLLM's own FP8 CPU attention. Tolerance: fp32 2e-5, bf16 2e-2 (same bytes; float32 accumulation either way)."""
+    b = _batch(32, 64, dtype)
+    k_scale, v_scale = 0.37, 1.9
+    kv_cache = torch.zeros(b.nb, 2, 32, 2 * 64, dtype=torch.uint8)
+    key_cache, value_cache = kv_cache.view(b.nb, 2, 64, 64).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(b.k, b.v, key_cache, value_cache, b.slots, "vec", k_scale=k_scale,
+                                   v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    k, v = as_cache_dtype(plug.cpu_attn_kv_cache_views(kv_cache, 64, "vec"), kv_cache_dtype)
+    assert k.dtype == fp8_view_dtype(kv_cache_dtype) and k.data_ptr() == kv_cache.data_ptr()
+    # vLLM's CPU writer rounds toward zero: every stored key is within one FP8 step below |k / k_scale|
+    stored = _at_slots(k, b.slots, 32).float() * k_scale
+    assert (stored.abs() <= b.k.float().abs() * (1 + 1e-6)).all()
+    assert (stored - b.k.float()).abs().max() <= 0.3 * b.k.float().abs().max()
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=3, num_heads=4, num_kv_heads=2, head_dim=64, seq_lens=b.seq_lens, dtype=dtype,
+        query_start_loc=b.qsl, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+    )  # fmt: skip
+    native = torch.full_like(b.q, math.nan)
+    ops.cpu_attention_with_kv_cache(
+        query=b.q, key_cache=key_cache, value_cache=value_cache, output=native, query_start_loc=b.qsl,
+        seq_lens=b.seq_lens, scale=64**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=b.block_table, softcap=0.0, scheduler_metadata=md, s_aux=None, k_scale=k_scale,
+        v_scale=v_scale, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+    atol = 2e-5 if dtype == torch.float32 else 2e-2
+    for backend in ("torch", "auto"):
+        ours = paged_skip_softmax_attention(b.q, k, v, b.block_table, b.qsl, b.seq_lens, softmax_scale=64**-0.5,
+                                            backend=backend, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         torch.testing.assert_close(ours.float(), native.float(), atol=atol, rtol=0)
 
 

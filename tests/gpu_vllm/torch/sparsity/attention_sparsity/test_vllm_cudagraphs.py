@@ -276,7 +276,12 @@ def test_the_cuda_decision_runs_the_self_test_at_the_engine_shapes(monkeypatch, 
     assert cudagraphs.self_test_shapes(config, spec) == {
         "num_heads": 4, "num_kv_heads": HKV, "head_size": D, "page_size": PAGE,
         "max_model_len": config.model_config.max_model_len, "dtype": torch.float32, "sinks": False,
+        "cache_dtype": None,
     }  # fmt: skip
+    # an FP8 cache: the self-test launches on FP8 bytes with scales, the query in the model's dtype
+    monkeypatch.setattr(config.cache_config, "cache_dtype", "fp8_e5m2")
+    assert cudagraphs.self_test_shapes(config, spec)["cache_dtype"] == torch.float8_e5m2
+    monkeypatch.setattr(config.cache_config, "cache_dtype", "auto")
     # a layer with attention sinks (gpt-oss): the self-test replays the kernel's sinks variant
     monkeypatch.setattr(layers[0].impl, "sinks", torch.zeros(4), raising=False)
     assert cudagraphs.self_test_shapes(config, spec)["sinks"] is True

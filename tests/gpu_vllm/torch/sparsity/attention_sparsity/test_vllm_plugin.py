@@ -371,9 +371,9 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
     window = make_layer("flashinfer", head_size=D, per_layer_sliding_window=128)
     cpu = "cpu_attn" if "cpu_attn" in _SUPPORTED else "flash_attn"
     alibi = make_layer(cpu, head_size=D, alibi_slopes=[0.5, 0.25, 0.125, 0.0625])
-    fp8 = make_layer("flash_attn", head_size=D)
-    fp8.impl.kv_cache_dtype = "fp8_e4m3"
-    bad = [(window, "sliding window"), (alibi, "ALiBi"), (fp8, "FP8")]
+    nvfp4 = make_layer("flash_attn", head_size=D)
+    nvfp4.impl.kv_cache_dtype = "nvfp4"  # FP8 caches are read; NVFP4 is not
+    bad = [(window, "sliding window"), (alibi, "ALiBi"), (nvfp4, "nvfp4")]
     if cpu == "cpu_attn":
         neon = make_layer("cpu_attn", head_size=D)
         neon.isa = "neon"  # ARM's CPU attention ISA: no view reads its layout
@@ -390,18 +390,16 @@ def test_install_validates_every_layer_before_changing_any(make_layer):
 def test_install_refusal_is_one_line_per_reason(make_layer):
     """Thirty layers refused for one reason make one line ("30 layers (first, second, ..., last): reason")."""
     windows = [make_layer("flash_attn", head_size=D, per_layer_sliding_window=64) for _ in range(5)]
-    fp8 = make_layer("flash_attn", head_size=D)
-    fp8.impl.kv_cache_dtype = "fp8_e4m3"
+    nvfp4 = make_layer("flash_attn", head_size=D)
+    nvfp4.impl.kv_cache_dtype = "nvfp4"
     with pytest.raises(ValueError) as err:
-        plug.install_sparse_attention([*windows, fp8], _settings(sf_prefill=4.0), strict=True)
+        plug.install_sparse_attention([*windows, nvfp4], _settings(sf_prefill=4.0), strict=True)
     lines = str(err.value).splitlines()
     assert "6 layer(s)" in lines[0] and len(lines) == 3
     window_line = next(line for line in lines if "sliding window" in line)
     names = [w.layer_name for w in windows]
     assert window_line.startswith(f"  5 layers ({names[0]}, {names[1]}, ..., {names[-1]}): sliding window")
-    assert f"  1 layer ({fp8.layer_name}): quantized KV cache ['fp8_e4m3'] (FP8/NVFP4) is not supported" in " ".join(
-        lines
-    )
+    assert f"  1 layer ({nvfp4.layer_name}): quantized KV cache ['nvfp4'] is not supported" in " ".join(lines)
 
 
 def test_layers_that_cannot_run_sparse_are_kept_dense_on_their_own_backend(make_layer, caplog, monkeypatch):

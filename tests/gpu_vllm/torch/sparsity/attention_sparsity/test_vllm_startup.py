@@ -195,12 +195,15 @@ def test_engine_config_predicts_dense_layers_before_weights(vllm_config, monkeyp
     said = [r.getMessage() for r in caplog.records if "served dense by vLLM's own backend" in r.getMessage()]
     assert len(said) == 1 and "3 of 6 attention layers" in said[0]
 
-    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "fp8_e4m3")
+    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "fp8_e4m3")  # read by the kernels: no refusal
+    assert checks.predicted_dense_layers(vllm_config)[0][0] == "3 of 6 attention layers (0, 2, 4: sliding_attention)"
+    assert len(checks.predicted_dense_layers(vllm_config)) == 1
+    monkeypatch.setattr(vllm_config.cache_config, "cache_dtype", "nvfp4")
     monkeypatch.setenv("MODELOPT_EXT_SPARSE_ATTN_STRICT", "1")
     with pytest.raises(ValueError) as err:
         checks.check_engine_config(vllm_config)
     lines = str(err.value).splitlines()
-    assert lines[1].startswith("  every attention layer: quantized KV cache 'fp8_e4m3'")
+    assert lines[1].startswith("  every attention layer: quantized KV cache 'nvfp4'")
     assert "--kv-cache-dtype auto" in lines[1]
     assert lines[2].startswith("  3 of 6 attention layers") and len(lines) == 3
 

@@ -111,7 +111,8 @@ def _feature_problems(backend, layer, impl, native) -> list[str]:
               getattr(layer, "kv_cache_dtype", None)}  # fmt: skip
     quantized = sorted(str(d) for d in dtypes if not backend.supports_kv_cache_dtype(d))
     if quantized:
-        reasons.append(f"quantized KV cache {quantized} (FP8/NVFP4) is not supported; use kv_cache_dtype='auto'")
+        reasons.append(f"quantized KV cache {quantized} is not supported (the kernels read 'auto' and the FP8 caches "
+                       "'fp8', 'fp8_e4m3', 'fp8_e5m2'); use one of those")
     head_size = getattr(impl, "head_size", None)
     head_size_v = getattr(layer, "head_size_v", head_size)
     if head_size_v != head_size:
@@ -188,7 +189,8 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
     if device == "cpu":
         try:
-            problem = cpu_isa_problem(predicted_cpu_attn_isa(vllm_config, int(model.get_head_size())))
+            problem = cpu_isa_problem(predicted_cpu_attn_isa(vllm_config, int(model.get_head_size())),
+                                      getattr(cache, "cache_dtype", None))
         except Exception:  # noqa: BLE001 - no uniform head size: install checks each layer
             problem = None
         if problem is not None:
@@ -205,8 +207,8 @@ def predicted_dense_layers(vllm_config) -> list[tuple[str, str]]:
                                      "(MODELOPT_EXT_SPARSE_ATTN_BACKEND=torch runs the slow reference)"))
     cache_dtype = getattr(cache, "cache_dtype", "auto")
     if not SparseCapabilities.supports_kv_cache_dtype(cache_dtype):
-        out.append((EVERY_LAYER, f"quantized KV cache {cache_dtype!r} (FP8/NVFP4) is not supported; serve with "
-                                 "--kv-cache-dtype auto"))
+        out.append((EVERY_LAYER, f"quantized KV cache {cache_dtype!r} is not supported; serve with --kv-cache-dtype "
+                                 "auto, fp8, fp8_e4m3 or fp8_e5m2"))
     if getattr(model, "use_mla", False) is True and not SparseCapabilities.is_mla():  # vLLM's question
         out.append((EVERY_LAYER, "multi-head latent attention (MLA) is not supported"))
     out += [] if SparseCapabilities.supports_sliding_window() else _predicted_sliding_layers(model)

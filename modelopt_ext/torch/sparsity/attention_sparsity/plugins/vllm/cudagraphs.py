@@ -38,6 +38,7 @@ from modelopt_ext.torch.kernels.sparsity.attention.graph_check import decode_gra
 from .compat import impl_sinks
 from .env import ENV_CUDAGRAPH, cudagraph_choice
 from .kernel_pages import TRITON_PAGE_SIZES
+from .kv_cache import fp8_view_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -121,5 +122,6 @@ def self_test_shapes(vllm_config, kv_cache_spec) -> dict:
         "head_size": int(kv_cache_spec.head_size),
         "page_size": page if page in TRITON_PAGE_SIZES else TRITON_PAGE_SIZES[0],
         "max_model_len": int(model.max_model_len),
-        "dtype": getattr(kv_cache_spec, "dtype", None) or model.dtype,
+        "dtype": model.dtype,
+        "cache_dtype": fp8_view_dtype(getattr(vllm_config.cache_config, "cache_dtype", None)),
     }

@@ -18,7 +18,7 @@ import torch
 from modelopt_ext.torch.kernels.sparsity.attention.api import kernel_launcher
 
 from .compat import impl_sinks
-from .kv_cache import write_kv_cache
+from .kv_cache import as_cache_dtype, fp8_view_dtype, write_kv_cache
 
 if TYPE_CHECKING:
     from .context import SparseAttentionContext
@@ -164,6 +164,9 @@ class SparseImplMixin:
         # q and out are read / written only up to the step's last query row (cu_seqlens): no slicing, no copy
         q = query if query.dim() == 3 else query.view(query.shape[0], self.num_heads, self.head_size)
         k_view, v_view = self._modelopt_cached_views(layer, kv_cache, state)
+        fp8 = {}
+        if fp8_view_dtype(self._modelopt_cache_dtype()) is not None:  # the layer's scales, host floats (vLLM's own)
+            fp8 = dict(k_scale=float(layer._k_scale_float), v_scale=float(layer._v_scale_float))
         totals = None
         if not calibrate and state.context.track_sparsity:  # counters accumulate on the device, per phase
             if state.phase_counts is None or state.phase_counts.device != q.device:  # the first step only
@@ -174,7 +177,7 @@ class SparseImplMixin:
             softmax_scale=self.scale, log_sf=plan.kernel_log_sf, gamma=plan.length_exponents,
             prompt_lens=plan.prompt_lens, calibrate=calibrate, out=out3, max_seqlen_k=plan.max_seq_len,
             counts=plan.counts, workspace=plan.workspace, decode_only=plan.decode_only, totals=totals,
-            softcap=state.softcap, sinks=state.sinks,
+            softcap=state.softcap, sinks=state.sinks, **fp8,
         )  # fmt: skip
         if totals is not None and counts is not None and plan.request_index is not None:  # per request (device op)
             plan.request_table.index_add_(0, plan.request_index, counts[:, 0, :])
@@ -193,9 +196,10 @@ class SparseImplMixin:
         state.sinks = kernel_sinks(impl_sinks(self), state.sinks)
 
     def _modelopt_cached_views(self, layer, kv_cache: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K/V views, made once per bound cache tensor (vLLM binds it once; views are per layer)."""
+        """The layer's K/V views as the kernels read them (an FP8 cache's bytes as its FP8 dtype), made once per bound
+        cache tensor (vLLM binds it once; views are per layer)."""
         if state.views_of is not kv_cache:
-            state.views = self._modelopt_views(layer, kv_cache)
+            state.views = as_cache_dtype(self._modelopt_views(layer, kv_cache), self._modelopt_cache_dtype())
             state.views_of = kv_cache
         return state.views
 

@@ -37,8 +37,33 @@ B tiles (VNNI pairs), read through 6-D views. Every layer keeps the ISA vLLM cho
 scheduler metadata and dense forward (dense steps, layers kept dense) are untouched."""
 
 
-def cpu_isa_problem(isa: str | None) -> str | None:
-    """Why the sparse kernels cannot serve a CPU-attention layer on this ISA (None when they can, or unknown)."""
+FP8_VIEW_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""The torch dtype of each FP8 cache dtype vLLM offers and the kernels read (vLLM's `fp8` is e4m3 on NVIDIA GPUs and
+on the CPU). vLLM allocates FP8 caches as uint8 storage and views them as this dtype where it reads them."""
+
+
+def fp8_view_dtype(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The FP8 dtype of a vLLM cache dtype string (None: the cache holds the model's own values)."""
+    return FP8_VIEW_DTYPES.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+
+
+def as_cache_dtype(views: tuple[torch.Tensor, torch.Tensor], kv_cache_dtype: str | None):
+    """K/V views as the kernels read them: an FP8 cache's byte views reinterpreted as its FP8 dtype (zero-copy)."""
+    fp8 = fp8_view_dtype(kv_cache_dtype)
+    if fp8 is None or views[0].dtype == fp8:
+        return views
+    if views[0].element_size() != 1:
+        raise ValueError(f"an {kv_cache_dtype!r} KV cache must be a 1-byte tensor, got {views[0].dtype}")
+    return views[0].view(fp8), views[1].view(fp8)
+
+
+def cpu_isa_problem(isa: str | None, kv_cache_dtype: str | None = None) -> str | None:
+    """Why the sparse kernels cannot serve a CPU-attention layer on this ISA and cache dtype (None when they can, or
+    unknown). FP8 caches are read on `vec` only (measured: vLLM stores e4m3 / e5m2 bytes there in the `vec` layout,
+    K transposed); vLLM's FP8 path on `amx` (bf16 models on AMX CPUs) has a layout of its own, not read."""
+    if fp8_view_dtype(kv_cache_dtype) is not None and isa == "amx":
+        return (f"an FP8 KV cache ({kv_cache_dtype!r}) on CPU attention ISA 'amx': the kernels do not read that layout "
+                "(they read FP8 caches on 'vec'); serve a float32 model, or --kv-cache-dtype auto")
     if isa is None or isa in CPU_KNOWN_ISAS:
         return None
     return (f"CPU attention ISA {isa!r}: the kernels do not read its KV-cache layout (they read {CPU_KNOWN_ISAS}); "
@@ -165,15 +190,26 @@ def native_flash_cache_write_op():
         return None
 
 
+def _stored(src: torch.Tensor, view: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows as the cache stores them: the model's values, or for an FP8 view `src / scale` rounded to nearest and
+    saturated to the format's finite range (vLLM's quantizing write)."""
+    if view.dtype not in FP8_VIEW_DTYPES.values():
+        return src.to(view.dtype)
+    limit = torch.finfo(view.dtype).max
+    return (src.to(torch.float32) / scale).clamp_(-limit, limit).to(view.dtype)
+
+
 def write_kv_through_views(
     key: torch.Tensor,
     value: torch.Tensor,
     k_view: torch.Tensor,
     v_view: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Torch equivalent of `reshape_and_cache_flash` on `[B, N, H, D]` views (no FP8 scaling), and of vLLM's CPU
-    cache write on the 6-D split views of the `amx` layout.
+    """Torch equivalent of `reshape_and_cache_flash` on `[B, N, H, D]` views (FP8 views: quantized with the scales),
+    and of vLLM's CPU cache write on the 6-D split views of the `amx` layout.
 
     Writes token i's K/V rows at slot `slot_mapping[i]` (block = slot // N, offset = slot % N); slots < 0 are
     padding and skipped, and keys past `len(slot_mapping)` (CUDA-graph padding) are ignored, like vLLM's op.
@@ -186,8 +222,8 @@ def write_kv_through_views(
     valid = slots >= 0
     rows = torch.nonzero(valid).squeeze(1)
     slots = slots[rows]
-    for view, src in ((k_view, key), (v_view, value)):
-        rows_src = src[:n][rows].to(view.dtype)
+    for view, src, scale in ((k_view, key, k_scale), (v_view, value, v_scale)):
+        rows_src = _stored(src[:n][rows], view, scale)
         if view.dim() == 6:  # [B, N/p2, p2, H, D/d2, d2]
             p2, heads, d1, d2 = view.shape[2], view.shape[3], view.shape[4], view.shape[5]
             page = view.shape[1] * p2
@@ -213,5 +249,11 @@ def write_kv_cache(
     if op is not None:
         op(key, value, k_view, v_view, slot_mapping, kv_cache_dtype, k_scale, v_scale)
         return
-    write_kv_through_views(key, value, k_view, v_view, slot_mapping)
+    k_view, v_view = as_cache_dtype((k_view, v_view), kv_cache_dtype)
+    write_kv_through_views(key, value, k_view, v_view, slot_mapping, _host_scale(k_scale), _host_scale(v_scale))
+
+
+def _host_scale(scale) -> float:
+    """A cache scale as a host float (vLLM's layers hold a 1-element tensor; None: 1.0)."""
+    return 1.0 if scale is None else float(scale)
 

@@ -15,7 +15,10 @@ from typing import ClassVar
 from .. import compat
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
-"""vLLM cache dtypes the kernels read (a quantized cache, FP8 / NVFP4, is not read)."""
+"""vLLM cache dtypes that hold the model's own values."""
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's FP8 cache dtypes the kernels read (e4m3 / e5m2 bytes times the layer's scales, docs/skip_softmax.md); other
+quantized caches (NVFP4, FP8 with per-token or MLA layouts) are not read."""
 
 
 class SparseCapabilities:
@@ -32,8 +35,8 @@ class SparseCapabilities:
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        """Unquantized caches only: the kernels read no FP8 / NVFP4 cache."""
-        return not isinstance(kv_cache_dtype, str) or kv_cache_dtype in UNQUANTIZED_KV_DTYPES
+        """Unquantized caches and vLLM's per-tensor FP8 caches (e4m3, e5m2); no NVFP4 or other quantized cache."""
+        return not isinstance(kv_cache_dtype, str) or kv_cache_dtype in UNQUANTIZED_KV_DTYPES + FP8_KV_DTYPES
 
     @classmethod
     def supports_attn_type(cls, attn_type) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..compat import cpu_native_write_op, native_backend, predicted_cpu_attn_isa
 from ..impls import STATE_ATTR, SparseImplMixin
-from ..kv_cache import cpu_attn_kv_cache_views, cpu_isa_problem, write_kv_through_views
+from ..kv_cache import as_cache_dtype, cpu_attn_kv_cache_views, cpu_isa_problem, write_kv_through_views
 from .base import SparseBackendMixin, SparseBuilderMixin, sparse_metadata
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ class ModelOptSparseCPUAttentionImpl(SparseImplMixin, CPUAttentionBackendImpl):
         if cpu_native_write_op() is not None:
             CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)
             return
-        k_view, v_view = self._modelopt_views(layer, kv_cache)
-        write_kv_through_views(key, value, k_view, v_view, slot_mapping)
+        k_view, v_view = as_cache_dtype(self._modelopt_views(layer, kv_cache), self._modelopt_cache_dtype())
+        write_kv_through_views(key, value, k_view, v_view, slot_mapping, layer._k_scale_float, layer._v_scale_float)
 
 
 @sparse_metadata
@@ -72,7 +72,8 @@ class ModelOptSparseCPUAttentionMetadataBuilder(SparseBuilderMixin, CPUAttention
         if context is None:
             return
         isa = getattr(self, "isa", None)
-        problem = cpu_isa_problem(isa) if isa is not None else "vLLM's CPU builder chose no ISA"
+        cache_dtype = getattr(self, "kv_cache_dtype", None)  # the CPU builder keeps the engine's cache dtype
+        problem = cpu_isa_problem(isa, cache_dtype) if isa is not None else "vLLM's CPU builder chose no ISA"
         if problem is not None:
             raise ValueError(f"sparse attention on {len(self.layer_names)} layers ({self.layer_names[0]}, ...): "
                              f"{problem}, or set MODELOPT_EXT_SPARSE_ATTN=0")
@@ -101,7 +102,8 @@ class ModelOptSparseCPUAttentionBackend(SparseBackendMixin, CPUAttentionBackend)
     def cache_problems(cls, native_backend, head_size, layer, config) -> list[str]:
         """The packed cache layout (vLLM >= 0.25.1), and an ISA whose layout the kernels read: the one vLLM's
         builder set on the layer, else the one it will choose for this engine config."""
-        isa = cpu_isa_problem(getattr(layer, "isa", None) or predicted_cpu_attn_isa(config, head_size))
+        cache_dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", None)
+        isa = cpu_isa_problem(getattr(layer, "isa", None) or predicted_cpu_attn_isa(config, head_size), cache_dtype)
         return super().cache_problems(native_backend, head_size, layer, config) + ([isa] if isa else [])
 
 
