@@ -240,19 +240,86 @@ def target_flags(py_version: str) -> list[str]:
     return flags
 
 
-def stub_env(python: str, pre: list[Preinstalled], where: Path) -> str:
-    """A venv whose site-packages holds metadata-only stubs of the machine's `known` packages, so that pip resolves
-    vLLM as it would there: keeping what satisfies, asking for what does not (stubs declare no dependencies)."""
+TARGET_MARKERS = {"sys_platform": "linux", "platform_machine": "x86_64", "platform_system": "Linux", "os_name": "posix",
+                  "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+
+
+def fetch_metadata(python: str, specs: list[str], py_version: str, work: Path) -> dict[str, dict]:
+    """The index's metadata (name, version, requires_dist, provides_extra) of each spec, nothing installed: one pip
+    dry-run for all, else one per spec so that a spec the index lacks costs only itself (missing from the result)."""
+    def run(batch: list[str]) -> dict[str, dict] | None:
+        report = work / "metadata.json"
+        cmd = pip_cmd(python) + ["install", "--dry-run", "--quiet", "--no-deps", "--ignore-installed", "--target",
+                                 str(work / "unused"), "--report", str(report), *target_flags(py_version), *batch]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode:
+            return None
+        return {norm(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]}
+
+    found = run(specs) if specs else {}
+    if found is None:
+        found = {}
+        for spec in specs:
+            found.update(run([spec]) or {})
+    return found
+
+
+def exact_pins(meta: dict, extras: set[str], py_version: str) -> dict[str, tuple[str, set[str]]]:
+    """What `meta`'s package pins exactly (==, also ==X.*) for the GPU machine, with the extras it asks of each."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
+    out = {}
+    for line in meta.get("requires_dist") or []:
+        req = Requirement(line)
+        env = {**TARGET_MARKERS, "python_version": py_version, "python_full_version": f"{py_version}.3"}
+        if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""}):
+            continue
+        specs = list(req.specifier)
+        if len(specs) == 1 and specs[0].operator == "==":
+            out[norm(req.name)] = (str(specs[0]), set(req.extras))
+    return out
+
+
+def known_closure(python: str, pre: list[Preinstalled], py_version: str, work: Path) -> dict[str, dict]:
+    """Metadata of the machine's `known` packages and, transitively, of what they pin exactly with the extras asked
+    (torch 2.11.0 pins cuda-toolkit[cublas,...]==13.0.2, which pins each CUDA library): those are on the machine
+    at those versions too. A pinned package the index lacks gets a stub without dependencies."""
+    metas: dict[str, dict] = {}
+    extras_of: dict[str, set[str]] = {}
+    pending = {p.name: f"=={p.version}" for p in pre if p.known}
+    while True:
+        got = fetch_metadata(python, [f"{n}{spec}" for n, spec in pending.items()], py_version, work)
+        for name, spec in pending.items():
+            metas[name] = got.get(name) or {"name": name, "version": spec.lstrip("=").removesuffix(".*"),
+                                            "requires_dist": []}
+        pending, grew = {}, False
+        for name, meta in list(metas.items()):
+            for dep, (spec, extras) in exact_pins(meta, extras_of.get(name, set()), py_version).items():
+                if not extras <= extras_of.setdefault(dep, set()):
+                    extras_of[dep] |= extras
+                    grew = True
+                if dep not in metas:
+                    pending[dep] = spec
+        if not pending and not grew:
+            return metas
+
+
+def stub_env(python: str, metas: dict[str, dict], where: Path) -> str:
+    """A venv whose site-packages holds metadata-only stubs (real name, version, Requires-Dist, Provides-Extra) of
+    what the GPU machine has, so that pip resolves vLLM as it would there: keeping what satisfies, asking for what
+    does not, and honouring what the installed packages themselves pin (torch's CUDA libraries)."""
     subprocess.run([python, "-m", "venv", "--without-pip", str(where)], check=True)
     stub_py = str(where / "bin" / "python")
     site = subprocess.run([stub_py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    for p in pre:
-        if not p.known:
-            continue
-        info = Path(site) / f"{p.name.replace('-', '_')}-{p.version}.dist-info"
+    for name, meta in metas.items():
+        info = Path(site) / f"{name.replace('-', '_')}-{meta['version']}.dist-info"
         info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {p.name}\nVersion: {p.version}\n")
+        lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {meta['version']}"]
+        lines += [f"Provides-Extra: {e}" for e in meta.get("provides_extra") or []]
+        lines += [f"Requires-Dist: {r}" for r in meta.get("requires_dist") or []]
+        (info / "METADATA").write_text("\n".join(lines) + "\n")
         (info / "INSTALLER").write_text("gpu_kit stub\n")
         (info / "RECORD").write_text("")
     return stub_py
@@ -282,14 +349,12 @@ def torch_pin(vllm_item: dict) -> str | None:
 def download(python: str, items: list[dict], dest: Path, py_version: str) -> list[Path]:
     """Download the resolved wheels (exact versions, no dependency walk) and check each against the index's hash."""
     dest.mkdir(parents=True, exist_ok=True)
-    specs = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items if not i.get("is_local")]
+    specs = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items]
     LOG.info("downloading %d wheels into %s", len(specs), dest)
     subprocess.run(pip_cmd(python) + ["download", "--quiet", "--no-deps", *target_flags(py_version), "-d",
                                       str(dest), *specs], check=True)
     files = []
     for item in items:
-        if item.get("is_local"):
-            continue
         fname = item["download_info"]["url"].rsplit("/", 1)[-1]
         path = dest / fname
         want = (item["download_info"].get("archive_info") or {}).get("hashes", {}).get("sha256")
@@ -301,10 +366,37 @@ def download(python: str, items: list[dict], dest: Path, py_version: str) -> lis
     return files
 
 
+# Big wheels an engine for a Llama-geometry model on Hopper never loads, replaced by empty placeholder wheels of the
+# same name and version so that vLLM's pins still resolve offline (`build --placeholder none` carries the real ones).
+PLACEHOLDERS = {
+    "flashinfer-cubin": "FlashInfer's prebuilt cubins (437 MiB); vllm never imports it, FlashInfer JIT-builds instead",
+    "tokenspeed-triton": "a Triton fork for tokenspeed-mla (MLA models only), imported lazily",
+    "tilelang": "TileLang kernels (DeepSeek sparse attention), imported lazily; takes z3-solver along",
+    "pynvvideocodec": "GPU video decoding for multimodal inputs, imported lazily",
+}
+
+
+def placeholder_wheel(name: str, version: str, why: str, dest: Path) -> Path:
+    """An empty wheel `name==version` (no modules, no dependencies) whose METADATA says what it stands in for."""
+    import zipfile
+
+    dist = name.replace("-", "_")
+    path = dest / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 f"Summary: gpu_kit placeholder, not the real package: {why}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: gpu_kit\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, text in {**files, f"{info}/RECORD": record}.items():
+            zf.writestr(n, text)
+    return path
+
+
 def build_own_wheel(python: str, dest: Path) -> Path:
     """modelopt-ext's wheel from this checkout (`pip wheel --no-deps .`)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("modelopt_ext-*.whl"):
+    for old in dest.glob("*.whl"):
         old.unlink()
     subprocess.run(pip_cmd(python) + ["wheel", "--quiet", "--no-deps", "-w", str(dest),
                                       str(REPO)], check=True)
@@ -335,28 +427,41 @@ def cmd_build(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     pre = read_preinstalled(Path(args.preinstalled))
     own = build_own_wheel(sys.executable, out / "own")
+    metas = known_closure(sys.executable, pre, args.python_version, work)
+    (work / "machine_closure.json").write_text(json.dumps({n: m["version"] for n, m in metas.items()}, indent=1))
+    reqs = [f"vllm=={args.vllm}", str(own)]
+    placeholders = [] if args.placeholder == ["none"] else (args.placeholder or list(PLACEHOLDERS))
     with tempfile.TemporaryDirectory() as tmp:
-        stub_py = stub_env(args.stub_python, pre, Path(tmp) / "stub")
-        items = resolve(sys.executable, stub_py, [f"vllm=={args.vllm}", str(own)], args.python_version, work)
+        stub_py = stub_env(args.stub_python, metas, Path(tmp) / "stub")
+        items = resolve(sys.executable, stub_py, reqs, args.python_version, work)
+        stand_ins = [placeholder_wheel(norm(i["metadata"]["name"]), i["metadata"]["version"],
+                                       PLACEHOLDERS.get(norm(i["metadata"]["name"]), "asked for"), out / "own")
+                     for i in items if norm(i["metadata"]["name"]) in placeholders]
+        if stand_ins:  # again, with the placeholders as given: what only the real ones needed drops out
+            items = resolve(sys.executable, stub_py, reqs + [str(w) for w in stand_ins], args.python_version, work)
     vllm_item = next(i for i in items if norm(i["metadata"]["name"]) == "vllm")
     pin = torch_pin(vllm_item)
     if pin != args.torch and not args.allow_torch_mismatch:
         raise KitError(f"vllm=={args.vllm} pins torch=={pin}, the GPU machine has torch {args.torch}: pick a "
                        "release that pins it (0.20.2-0.26.0 do) or pass --allow-torch-mismatch")
-    remote = [i for i in items if not i.get("is_local")]
+    remote = [i for i in items if not i.get("is_direct")]
     paths = download(sys.executable, remote, out / "wheels", args.python_version)
     files = {norm(i["metadata"]["name"]): p for i, p in zip(remote, paths, strict=True)}
     files["modelopt-ext"] = own
+    files.update({norm(w.name.split("-")[0]): w for w in stand_ins})
     carried, left_out = select(items, pre, files, int(args.hedge_mib * MIB))
     carried.sort(key=lambda p: p.name.lower())
     meta = {"vllm": args.vllm, "torch_pin": pin, "python": args.python_version,
+            "placeholders": {norm(w.name.split("-")[0]): PLACEHOLDERS.get(norm(w.name.split("-")[0]), "asked for")
+                             for w in stand_ins},
             "requirements": [f"vllm=={args.vllm}", "modelopt-ext"], "left_out": left_out,
             "preinstalled_file": str(Path(args.preinstalled)), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                           time.gmtime())}
     manifest = pack(carried, out, int(args.part_mib * MIB), meta)
     print(f"kit: vllm=={args.vllm} (pins torch=={pin}) for cp{args.python_version.replace('.', '')}: "
           f"{len(carried)} wheels, {manifest['total_bytes'] / MIB:.1f} MiB in {len(manifest['parts'])} parts "
-          f"of <= {args.part_mib} MiB; left out (assumed there): {', '.join(e['name'] for e in left_out) or '-'}")
+          f"of <= {args.part_mib} MiB; placeholders: {', '.join(meta['placeholders']) or '-'}; left out (assumed "
+          f"there): {', '.join(e['name'] for e in left_out) or '-'}")
     return 0
 
 
@@ -581,6 +686,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--python-version", default="3.12")
     b.add_argument("--stub-python", default=sys.executable, help="any Python to make the resolver's stub venv")
     b.add_argument("--part-mib", type=float, default=PART_MIB)
+    b.add_argument("--placeholder", action="append", help="carry an empty wheel for this package instead of "
+                   f"the real one (repeatable; default: {', '.join(PLACEHOLDERS)}; 'none': none)")
     b.add_argument("--hedge-mib", type=float, default=2.0, help="carry an 'assumed' package up to this size")
     r = sub.add_parser("receive", help="(GPU side) verify this call's parts, keep them for the next call")
     r.add_argument("--kit", default=".kit")

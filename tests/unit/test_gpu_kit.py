@@ -133,3 +133,26 @@ def test_torch_pin_reads_an_exact_pin_only():
     item = {"metadata": {"requires_dist": ["numpy", "torch == 2.11.0", "torchaudio==2.11.0"]}}
     assert kit.torch_pin(item) == "2.11.0"
     assert kit.torch_pin({"metadata": {"requires_dist": ["torch>=2.9"]}}) is None
+
+
+def test_exact_pins_follow_markers_and_the_extras_asked():
+    meta = {"requires_dist": ["nvidia-cublas==13.1.0.3.*; sys_platform == 'linux' and extra == 'cublas'",
+                              "nvidia-cufft==12.0.0.61.*; extra == 'cufft'", "filelock",
+                              "triton==3.6.0; platform_system == \"Linux\"", "pywin32==1; sys_platform == 'win32'",
+                              "cuda-toolkit[cublas]==13.0.2"]}
+    pins = kit.exact_pins(meta, {"cublas"}, "3.12")
+    assert pins == {"nvidia-cublas": ("==13.1.0.3.*", set()), "triton": ("==3.6.0", set()),
+                    "cuda-toolkit": ("==13.0.2", {"cublas"})}
+
+
+def test_placeholder_wheel_is_an_empty_installable_wheel(tmp_path):
+    import zipfile
+
+    path = kit.placeholder_wheel("flashinfer-cubin", "0.6.13", "not needed", tmp_path)
+    assert path.name == "flashinfer_cubin-0.6.13-py3-none-any.whl"
+    with zipfile.ZipFile(path) as zf:
+        names = set(zf.namelist())
+        meta = zf.read("flashinfer_cubin-0.6.13.dist-info/METADATA").decode()
+    assert names == {f"flashinfer_cubin-0.6.13.dist-info/{n}" for n in ("METADATA", "WHEEL", "RECORD")}
+    assert "Name: flashinfer-cubin\nVersion: 0.6.13\n" in meta and "placeholder" in meta
+    assert "Requires-Dist" not in meta
