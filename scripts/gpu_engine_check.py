@@ -49,7 +49,9 @@ SERVE = REPO / "examples" / "vllm_serve" / "vllm_serve_sparse_attn.py"
 FITS = {"prefill": {"a": 0.0232, "b": 12.98}, "decode": {"a": 0.0075, "b": 13.02}}
 WORDS = ("drawer item filed under the key value cache page tile row head model token prompt reply server engine "
          "graph kernel sparse dense prefill decode batch layer query block length law target fit").split()
-SELF_TEST_MARKS = ("CUDA-graph self-test", "full decode graphs", "cudagraph", "CUDA graph")
+# The plugin's log lines that say what decided CUDA graphs (plugins/vllm/cudagraphs.py, backends/base.py).
+GRAPH_MARKS = ("sparse attention: CUDA-graph self-test", "sparse attention: full CUDA graphs",
+               "vLLM runs CUDA graph mode")
 
 
 def detect_device(choice: str) -> str:
@@ -157,7 +159,7 @@ def server_command(ckpt: Path, port: int, args, device: str) -> list[str]:
 def graph_lines(log: Path) -> list[str]:
     """The server log's lines about CUDA graphs and the plugin's self-test (what decided full decode graphs)."""
     text = log.read_text(errors="replace").splitlines() if log.is_file() else []
-    return [line.strip()[-220:] for line in text if any(m.lower() in line.lower() for m in SELF_TEST_MARKS)][:8]
+    return [line.split("] ", 1)[-1].strip()[:240] for line in text if any(m in line for m in GRAPH_MARKS)][:6]
 
 
 def run_mode(name: str, ckpt: Path, args, device: str, short: list[str], long: list[str]) -> dict:
@@ -198,8 +200,8 @@ def table(device: str, runs: dict, args) -> str:
         same = [a["text"] == b["text"] for a, b in zip(run["short"], dense["short"], strict=True)]
         eq = (f"{sum(same)}/{len(same)}" if dropped_short == 0 else f"n/a ({dropped_short:.0f} tiles dropped)")
         spars = [f"{lt[p]['sparsity']:.3f}" if lt[p]["visited"] else "-" for p in ("prefill", "decode")]
-        graphs = "self-test logged" if any("self-test" in g for g in run["graph_log"]) else (
-            "see log" if run["graph_log"] else "-")
+        decision = [g for g in run["graph_log"] if "full CUDA graphs" in g]
+        graphs = decision[0].split("uniform decode ", 1)[-1] if decision else "-"
         rows.append(f"| {run['mode']} | {ttft:.1f} | {tpot:.2f} | {spars[0]} | {spars[1]} | "
                     f"{eq if run['mode'] != 'dense' else 'reference'} | {graphs} |")
     head = (f"device {device}, {args.layers} layers, 32/8 heads, D=128, {args.dtype}, long prompts "

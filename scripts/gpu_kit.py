@@ -373,6 +373,8 @@ PLACEHOLDERS = {
     "tokenspeed-triton": "a Triton fork for tokenspeed-mla (MLA models only), imported lazily",
     "tilelang": "TileLang kernels (DeepSeek sparse attention), imported lazily; takes z3-solver along",
     "pynvvideocodec": "GPU video decoding for multimodal inputs, imported lazily",
+    "cuda-tile": "cuTile (FlashInfer's all-gather matmul only); takes CUDA 13.2 nvcc/nvvm/tileiras wheels along "
+                 "(138 MiB), where the image has its own nvcc",
 }
 
 
