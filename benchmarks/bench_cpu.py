@@ -115,27 +115,33 @@ def structured_kv(kv_len: int, n_q: int, seed: int, dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def native_cpu_isa(dtype) -> str:
+def native_cpu_isa(dtype, kv_cache_dtype: str = "auto") -> str:
     """The ISA vLLM's CPU attention picks for SmolLM2's geometry in `dtype` on this CPU (its `_get_attn_isa`)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(dtype, PAGE, HEAD, "auto")
+    return _get_attn_isa(dtype, PAGE, HEAD, kv_cache_dtype)
 
 
 class KernelCase:
     """One shape: a vLLM CPU cache written by vLLM, its zero-copy views, native and ours callables."""
 
-    def __init__(self, phase: str, kv_len: int, batch: int, dtype, seed: int = 0, baseline_isa: str | None = None):
+    def __init__(self, phase: str, kv_len: int, batch: int, dtype, seed: int = 0, baseline_isa: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         import torch
         from vllm import _custom_ops as ops
 
-        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import cpu_attn_kv_cache_views
+        from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import (
+            as_cache_dtype,
+            cpu_attn_kv_cache_views,
+        )
 
         self.ops = ops
         # vLLM's choice (`amx` for bf16 on AMX CPUs): the sparse layers read it in place, as the native kernel does.
         # A `--baseline-rev` kernel from before the amx layout was read (982d7ca) served such layers on `vec`: pass
         # `--baseline-isa vec` for those.
-        self.native_isa = native_cpu_isa(dtype)
+        self.native_isa = native_cpu_isa(dtype, kv_cache_dtype)
+        # an FP8 cache (vLLM's uint8 storage, scale 1.0 as a checkpoint without KV scales serves): both kernels read it
+        self.fp8 = {} if kv_cache_dtype == "auto" else dict(k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
         self.our_isa = self.native_isa
         self.baseline_isa = baseline_isa or self.native_isa
         if self.native_isa == "amx":
@@ -157,9 +163,10 @@ class KernelCase:
         self.q = torch.cat(qs)
         self.logical = list(zip(qs, ks, strict=True))  # per sequence: query rows, logical K (kv_tile_sparsity)
         def written(isa):  # a cache written by vLLM's own writer in `isa`'s layout
-            cache = torch.zeros(n_blocks, HKV, PAGE, 2 * HEAD, dtype=dtype)
+            cache = torch.zeros(n_blocks, HKV, PAGE, 2 * HEAD, dtype=torch.uint8 if self.fp8 else dtype)
             key_cache, value_cache = cache.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, torch.cat(slots), isa)
+            ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, torch.cat(slots), isa,
+                                           **self.fp8)  # fmt: skip
             return cache
 
         cache = written(self.our_isa)
@@ -168,7 +175,9 @@ class KernelCase:
         self.caches = [cache] + [cache.clone() for _ in range(copies - 1)]
         native_caches = self.caches if native_cache is cache else [native_cache.clone() for _ in range(copies)]
         self.native_views = [c.view(n_blocks, HKV, 2 * PAGE, HEAD).chunk(2, dim=2) for c in native_caches]
-        self.our_views = [cpu_attn_kv_cache_views(c, HEAD, self.our_isa) for c in self.caches]
+        self.our_views = [as_cache_dtype(cpu_attn_kv_cache_views(c, HEAD, self.our_isa), kv_cache_dtype)
+                          for c in self.caches]  # fmt: skip
+        self.our_scales = {k: v for k, v in self.fp8.items() if k != "kv_cache_dtype"}
         self.baseline_views = self.our_views
         if self.baseline_isa != self.our_isa:
             base = written(self.baseline_isa)
@@ -207,7 +216,7 @@ class KernelCase:
             query=self.q, key_cache=key_cache, value_cache=value_cache, output=self.out_native,
             query_start_loc=self.cu, seq_lens=self.seq_lens, scale=self.scale, causal=True, alibi_slopes=None,
             sliding_window=-1, block_table=self.block_table, softcap=0.0, scheduler_metadata=self.metadata,
-            s_aux=None,
+            s_aux=None, **self.fp8,
         )  # fmt: skip
         return self.out_native
 
@@ -231,7 +240,7 @@ class KernelCase:
         k, v = self.our_views[self._next()]
         plan = self._planned(lam, trials, counts)
         c = launch_cpu(self.q, k, v, self.block_table, self.cu, self.seq_lens, softmax_scale=self.scale,
-                       out=self.out_ours, **plan)  # fmt: skip
+                       out=self.out_ours, **plan, **self.our_scales)  # fmt: skip
         return (self.out_ours, c) if (counts or trials is not None) else self.out_ours
 
     def baseline(self, op, lam=None, counts=False):
@@ -420,7 +429,8 @@ def run_kernel(args) -> list[dict]:
     print("per-call cost on a 64-key decode: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in overhead.items()))
     write_json(args.out, "call_overhead_s", overhead)
     for phase, kv_len, batch in shapes:
-        case = KernelCase(phase, kv_len, batch, dtype, seed=args.seed, baseline_isa=args.baseline_isa)
+        case = KernelCase(phase, kv_len, batch, dtype, seed=args.seed, baseline_isa=args.baseline_isa,
+                          kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
         case.set_threads(max(threads))
         lams = find_lambdas(case, TARGETS)
         diff = (case.ours().float() - case.native().float()).abs().max().item()
@@ -451,6 +461,7 @@ def run_kernel(args) -> list[dict]:
             a, b = profile_fit(points)
             rec = dict(
                 phase=phase, kv_len=kv_len, batch=batch, threads=n_threads, dtype=args.dtype, q_heads=HQ, kv_heads=HKV,
+                kv_cache_dtype=args.kv_cache_dtype,
                 native_isa=case.native_isa, our_isa=case.our_isa,
                 max_abs_diff_vs_native=diff, bytes_per_call=per_call,
                 native_s=med["native"], dense_s=med["dense"], lambda_off_s=med["lambda_off"],
@@ -818,6 +829,8 @@ def _add_kernel_parser(sub) -> None:
     k.add_argument("--group", type=int, default=3, help="query heads per KV head (3 KV heads; SmolLM2: 3)")
     k.add_argument("--threads", type=ints, default=None, help="default: 1 and all cores")
     k.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    k.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e5m2"), default="auto",
+                   help="vLLM's KV-cache dtype: FP8 caches (AVX-512 or AMX), written by vLLM, read by both kernels")
     k.add_argument("--rounds", type=int, default=3)
     k.add_argument("--min-seconds", type=float, default=2.0, help="keep adding rounds until this much time passed")
     k.add_argument("--quick", action="store_true", help="2k/4k prefill, 2k/8k decode at batch 1, 1 thread")

@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="engine: at this target of the first law, all prompts are also served as one mixed batch")
     p.add_argument("--dtype", default="auto", help="engine: model dtype for vLLM (default auto, as users serve; "
                    "float32 makes vLLM's dense layers batch invariant for the mixed-batch check)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="engine: vLLM's KV-cache dtype (auto, fp8, fp8_e4m3, "
+                   "fp8_e5m2); dense reference and sparse serving on the same cache")
     p.add_argument("--dense-counts", action="store_true",
                    help="engine: also count every law in calibration mode (dense activations, one pass) to show "
                         "how far serving's own drops move later layers' decisions")

@@ -287,7 +287,8 @@ def run(args, targets, lengths, sources, seeds, laws_wanted, out_dir: Path) -> d
         quality_prompts = [ids for *_, ids in quality_items]
         quality_names = [source for source, *_ in quality_items]
     max_len = max(len(p) for p in prompts + quality_prompts) + max(args.decode_tokens, 16) + 1
-    llm = start_engine(ckpt, min(max_len, context), max(len(prompts), len(quality_prompts), 1), args.dtype)
+    llm = start_engine(ckpt, min(max_len, context), max(len(prompts), len(quality_prompts), 1), args.dtype,
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     classes = law_source["attention_classes"] or None
     keys = [(law, t) for law in laws for t in targets]
     check = (laws[0], args.serve_check_target)
