@@ -238,18 +238,25 @@ def _dequantized(case: Case, dtype, k_scale, v_scale) -> Case:
                 seq_lens_k=case.seq_lens_k, scale=case.scale, q_lens=case.q_lens, kv_lens=case.kv_lens)  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype,dot",
+    [(torch.float32, False), (torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32", "fp16", "bf16-vector", "bf16-dot"],
+)
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
-def test_power_of_two_scales_are_bitwise_the_dequantized_cache(fp8, dtype):
+def test_power_of_two_scales_are_bitwise_the_dequantized_cache(fp8, dtype, dot):
     """With scales that are powers of two, k_scale folded into the softmax scale and v_scale into the output are
     exact: outputs and counts are bitwise those of the same kernel on the dequantized cache in the query's dtype
-    (the same strides, so the same path; bf16 prefill kept off VDPBF16PS / AMX tiles, which FP8 caches do not take)."""
+    (the same strides, so the same path). bf16 prefill items run on the fp32 vectors or on VDPBF16PS (`dot`, where
+    compiled: FP8 K and V converted into the bf16 pairs, exactly); AMX tiles, which FP8 caches do not take, off."""
+    if dot and not cpu_kernel.bf16_dot():
+        pytest.skip("no AVX512-BF16 (VDPBF16PS) in this build")
     k_scale, v_scale = 0.5, 4.0
     case, _ = mixed(fp8, dtype, seed=75, k_scale=k_scale, v_scale=v_scale)
     plain = _dequantized(case, dtype, k_scale, v_scale)
     lam = torch.full((case.batch,), 0.02)
-    dot, amx = cpu_kernel.bf16_dot(), cpu_kernel.amx_tiles()
-    cpu_kernel.bf16_dot(False)
+    dot_was, amx_was = cpu_kernel.bf16_dot(), cpu_kernel.amx_tiles()
+    cpu_kernel.bf16_dot(dot)
     cpu_kernel.amx_tiles(False)
     try:
         for kw in ({}, dict(skip_threshold=lam, counts=True), dict(logits_soft_cap=5.0, skip_threshold=lam)):
@@ -258,8 +265,24 @@ def test_power_of_two_scales_are_bitwise_the_dequantized_cache(fp8, dtype):
             assert torch.equal(out, out_plain)
             assert (counts is None and counts_plain is None) or torch.equal(counts, counts_plain)
     finally:
-        cpu_kernel.bf16_dot(dot)
-        cpu_kernel.amx_tiles(amx)
+        cpu_kernel.bf16_dot(dot_was)
+        cpu_kernel.amx_tiles(amx_was)
+
+
+def test_bf16_prefill_takes_the_packed_path():
+    """bf16 queries on an FP8 cache run prefill on the packed bf16 pairs where this build has VDPBF16PS (their
+    probabilities rounded to bf16, as on a bf16 cache): with it switched off the output changes (fp32 P·V)."""
+    if not cpu_kernel.bf16_dot():
+        pytest.skip("no AVX512-BF16 (VDPBF16PS) in this build")
+    case, ref = fp8_case([200], [200], fp8=torch.float8_e4m3fn, dtype=torch.bfloat16, hq=9, hkv=3, d=64, seed=78)
+    packed, _ = run_fp8(case)
+    cpu_kernel.bf16_dot(False)
+    try:
+        vector, _ = run_fp8(case)
+    finally:
+        cpu_kernel.bf16_dot(True)
+    assert not torch.equal(packed, vector)
+    close(packed, oracle(ref, None).out, torch.bfloat16)
 
 
 def test_scales_reach_the_op_and_old_calls_still_launch():

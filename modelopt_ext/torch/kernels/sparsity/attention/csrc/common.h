@@ -309,6 +309,26 @@ inline vf loadv(const C* p) {
 
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+#if defined(MODELOPT_EXT_BF16_PAIRS)
+// interleave16 of cache elements: bf16 as they are; FP8 converted to bf16 first (exact: an FP8 value in its load
+// units, 2^-8 for e4m3, is a bf16 value), for the packed path's K groups and V pair rows.
+template <typename C>
+inline void interleave16(const C* a, const C* b, uint16_t* dst) {
+  if constexpr (kIsFp8<C>) {
+    alignas(64) static const uint16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const vf fa = loadv(a), fb = loadv(b);
+    __m512 xa, xb;
+    std::memcpy(&xa, &fa, sizeof(xa));
+    std::memcpy(&xb, &fb, sizeof(xb));
+    const __m512bh v = _mm512_cvtne2ps_pbh(xb, xa);  // a in lanes 0-15, b in 16-31
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kIdx), reinterpret_cast<const __m512i&>(v)));
+  } else {
+    interleave16(reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), dst);
+  }
+}
+#endif
+
 // D floats (a multiple of kLanes), inline: memcpy calls of a row in the AMX P·V gather and scatter were ~7 % of the
 // kernel's samples (bf16 prefill, s≈0.5).
 inline void copy_row(float* dst, const float* src, int D) {

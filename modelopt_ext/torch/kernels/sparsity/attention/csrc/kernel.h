@@ -36,14 +36,16 @@ namespace {
 constexpr int kPackedMinRows = 16;
 constexpr int kTileMinRows = 3;
 
-// T: the query and output dtype; C: the cache element (T, or an FP8 byte: Fp8E4M3, Fp8E5M2). FP8 caches run on the
-// fp32 vector path (their loads convert, common.h) with the K scale folded into Params::scale and the V scale into
-// Params::out_scale; the packed bf16 pairs and vLLM's `amx` layout are bf16 caches only (kPairs).
+// T: the query and output dtype; C: the cache element (T, or an FP8 byte: Fp8E4M3, Fp8E5M2). FP8 caches convert as
+// they load (common.h) with the K scale folded into Params::scale and the V scale into Params::out_scale: on the fp32
+// vector path, and for bf16 queries on VDPBF16PS, their K and V packed into bf16 pairs (kPairs); not on AMX tiles,
+// and never in vLLM's `amx` layout (bf16 only).
 template <typename T, typename C = T>
 class Kernel {
  public:
-  // Whether this instance compiles the packed bf16 paths (AMX tiles, VDPBF16PS): bf16 queries on a bf16 cache.
-  static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>;
+  // Whether this instance compiles the packed bf16 paths (AMX tiles, VDPBF16PS): bf16 queries on a bf16 cache, or
+  // on an FP8 cache whose K and V tiles are converted into the bf16 pairs (exact; VDPBF16PS only: Params::tiles).
+  static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && (std::is_same_v<C, T> || kIsFp8<C>);
 
   explicit Kernel(const Params& p) : p_(p) {}
 
@@ -854,17 +856,17 @@ class Kernel {
         std::memset(dst, 0, sizeof(uint16_t) * group_elems);
         continue;
       }
-      const uint16_t* src;
+      const C* src;
       int64_t sd;
       if (p.k_direct) {  // 16 keys contiguous within one page (page % 16 == 0)
-        src = reinterpret_cast<const uint16_t*>(key_base(it.b, it.kvh, key0));
+        src = key_base(it.b, it.kvh, key0);
         sd = p.sk3;
       } else {
-        uint16_t* buf = reinterpret_cast<uint16_t*>(sc.kbuf.data());
+        C* buf = reinterpret_cast<C*>(sc.kbuf.data());
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t key = key0 + jj;
-          const uint16_t* ks = key < kv_len ? reinterpret_cast<const uint16_t*>(key_base(it.b, it.kvh, key)) : nullptr;
-          for (int d = 0; d < D; ++d) buf[d * 16 + jj] = ks != nullptr ? ks[d * p.sk3] : 0;
+          const C* ks = key < kv_len ? key_base(it.b, it.kvh, key) : nullptr;
+          for (int d = 0; d < D; ++d) buf[d * 16 + jj] = ks != nullptr ? ks[d * p.sk3] : C{};
         }
         src = buf;
         sd = 16;
@@ -888,7 +890,7 @@ class Kernel {
     const int n_steps = (nj + 31) / 32;
     const int dtiles = static_cast<int>(p_.D) / 16;
     uint16_t* vpack = sc.vpack.data();
-    alignas(64) static const uint16_t kZeros[16] = {};
+    alignas(64) static const C kZeros[16] = {};
     if (p_.vnni) {
       for (int ks = 0; ks < n_steps; ++ks) {
         const int n_in = std::min(32, nj - 32 * ks);
@@ -913,8 +915,8 @@ class Kernel {
     }
     for (int pr = 0; pr < 16 * n_steps; ++pr) {
       const int j0 = 2 * pr, j1 = 2 * pr + 1;
-      const uint16_t* a = j0 < nj ? reinterpret_cast<const uint16_t*>(vrow[j0]) : nullptr;
-      const uint16_t* b = j1 < nj ? reinterpret_cast<const uint16_t*>(vrow[j1]) : nullptr;
+      const C* a = j0 < nj ? vrow[j0] : nullptr;
+      const C* b = j1 < nj ? vrow[j1] : nullptr;
       uint16_t* dst = vpack + static_cast<size_t>(pr / 16) * dtiles * 512 + (pr % 16) * 32;
       for (int dt = 0; dt < dtiles; ++dt) {
         interleave16(a != nullptr ? a + 16 * dt : kZeros, b != nullptr ? b + 16 * dt : kZeros, dst + dt * 512);

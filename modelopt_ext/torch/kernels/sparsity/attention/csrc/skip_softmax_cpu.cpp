@@ -274,9 +274,8 @@ at::Tensor skip_softmax_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.k_direct = !vnni && p.sk1 == 1 && p.page % p.kc == 0;
   p.v_direct = !vnni && p.sv3 == 1;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  p.tiles = bf16 && p.D % 32 == 0 && amx_active();
+  p.tiles = bf16 && !fp8 && p.D % 32 == 0 && amx_active();  // FP8 caches: VDPBF16PS, not AMX tiles (Kernel::kPairs)
   p.packed = p.tiles || (bf16 && p.D % 16 == 0 && dot_active());
-  if (fp8) p.tiles = p.packed = false;  // FP8 caches: the fp32 vector path (Kernel::kPairs)
 
   at::Tensor counts;
   at::Tensor log_sf_c, gamma_c;
