@@ -194,6 +194,48 @@ def test_flash_attn_and_cpu_views_reject_bad_input():
 # Version gates and the write-exactly-once rule
 
 
+@pytest.mark.parametrize("kv_cache_dtype,fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                               ("fp8_e5m2", torch.float8_e5m2)])  # fmt: skip
+def test_fp8_cache_views_and_torch_write(kv_cache_dtype, fp8):
+    """vLLM's FP8 caches are uint8 storage: the views reinterpret them as e4m3 / e5m2 without a copy, the torch writer
+    stores round-to-nearest(k / k_scale) saturated to the format (padding slots skipped), and the kernels read those
+    bytes times the scale: the write-then-read round trip is within one FP8 step of the keys."""
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import as_cache_dtype, fp8_view_dtype
+
+    assert fp8_view_dtype(kv_cache_dtype) == fp8 and fp8_view_dtype("auto") is None
+    nb, heads, d, k_scale, v_scale = 4, 2, D, 0.37, 1.9
+    cache = torch.full((nb, heads, PAGE, 2 * d), 0x7F, dtype=torch.uint8)  # e4m3 NaN / e5m2 inf: poison
+    k, v = as_cache_dtype(plug.cpu_attn_kv_cache_views(cache, d, "vec"), kv_cache_dtype)
+    assert k.dtype == v.dtype == fp8 and k.data_ptr() == cache.data_ptr()
+    gen = torch.Generator().manual_seed(7)
+    key, value = torch.randn(5, heads, d, generator=gen) * 3, torch.randn(5, heads, d, generator=gen)
+    key[0, 0, 0] = 1e6  # saturates instead of becoming inf / NaN
+    slots = torch.tensor([3, -1, PAGE + 5, 3 * PAGE + 15, 40])
+    write_kv_through_views(key, value, k, v, slots, k_scale, v_scale)
+    limit = torch.finfo(fp8).max
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        got_k = k[slot // PAGE, slot % PAGE].double() * k_scale
+        got_v = v[slot // PAGE, slot % PAGE].double() * v_scale
+        want_k = (key[i].double() / k_scale).clamp(-limit, limit) * k_scale
+        step = 2.0 ** -3 if fp8 == torch.float8_e4m3fn else 2.0 ** -2  # relative spacing of the format
+        assert ((got_k - want_k).abs() <= step * want_k.abs() + 1e-2).all()
+        assert ((got_v - value[i].double()).abs() <= step * value[i].double().abs() + 1e-2).all()
+    assert k[0, 3, 0, 0].double() * k_scale == pytest.approx(limit * k_scale)
+    assert int((cache == 0x7F).sum()) == cache.numel() - 4 * heads * 2 * d  # only the four real slots written
+    with pytest.raises(ValueError, match="1-byte tensor"):
+        as_cache_dtype((torch.zeros(2, dtype=torch.bfloat16),) * 2, kv_cache_dtype)
+
+
+def test_fp8_cache_on_the_cpu_amx_path_is_refused_by_name():
+    from modelopt_ext.torch.sparsity.attention_sparsity.plugins.vllm.kv_cache import cpu_isa_problem
+
+    assert cpu_isa_problem("vec", "fp8") is None and cpu_isa_problem("amx", "auto") is None
+    problem = cpu_isa_problem("amx", "fp8_e5m2")
+    assert "FP8 KV cache ('fp8_e5m2')" in problem and "'amx'" in problem and "--kv-cache-dtype auto" in problem
+
+
 def test_flag_is_read_from_the_backend_class():
     assert plug.forward_writes_kv_cache(type("PreFlagBackend", (), {})) is True  # vLLM <= 0.14: absent
     assert plug.forward_writes_kv_cache(type("Old", (), {"forward_includes_kv_cache_update": True})) is True
