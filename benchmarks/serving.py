@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-gib", type=int, default=None,
                     help="VLLM_CPU_KVCACHE_SPACE of both servers (default: enough for the largest run)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more argument for both servers")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the two short warm-up requests per server")
     ap.add_argument("--out-dir", type=Path, default=REPO / "artifacts" / "serving")
     ap.add_argument("--quick", action="store_true", help=f"a tiny smoke config: {QUICK}")
     ap.add_argument("--start-timeout", type=float, default=900.0)
@@ -196,8 +197,7 @@ def run_cell(args, servers, ckpt, variants, set_name, concurrency, dataset, orde
         log.info("[%s c=%d] %s: %d prompts ...", set_name, concurrency, label, num_prompts)
         before = tile_counts(sparse_metrics(run.base_url)) if kind == "sparse" else None
         t0 = time.monotonic()
-        result = sb.run_bench(run, out / "logs" / f"bench_{run.result_file}.log", dict(os.environ),
-                              args.bench_timeout)  # fmt: skip
+        result = sb.run_bench(run, out / "logs" / f"bench_{run.result_file}.log", _bench_env(), args.bench_timeout)
         record = {"set": set_name, "concurrency": concurrency, "server": kind, "target": target,
                   "seconds": round(time.monotonic() - t0, 1), "bench": sb.as_dict(run),
                   "command": sb.bench_command(run), "result": result}  # fmt: skip
@@ -209,6 +209,13 @@ def run_cell(args, servers, ckpt, variants, set_name, concurrency, dataset, orde
                  num_prompts, record["seconds"], _sparsity_note(record))  # fmt: skip
         records.append(record)
     return records
+
+
+def _bench_env() -> dict[str, str]:
+    """The bench client's environment: this checkout first on the path (the launcher module is in it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 def _sparsity_note(record: dict) -> str:
@@ -274,6 +281,9 @@ def _sigterm_to_interrupt() -> None:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
+    if missing := sb.missing_bench_modules():
+        raise SystemExit(f"error: vllm bench serve needs {', '.join(missing)} (vLLM's bench extra) to read its "
+                         f"custom dataset; install it: {sys.executable} -m pip install {' '.join(missing)}")
     _sigterm_to_interrupt()
     from transformers import AutoTokenizer
 
@@ -298,8 +308,9 @@ def main(argv=None) -> int:
             log.info("starting the %s server", kind)
             stack.enter_context(running_server(s["cmd"], out / "logs" / f"server_{kind}.log", s["env"],
                                                s["base_url"], args.start_timeout))  # fmt: skip
-        warm = sb.write_dataset(out / "datasets" / "warmup.jsonl", warmup, "[warm-up]\n")
-        data["warmup"] = run_cell(args, servers, ckpt, variants[:1], "warmup", 2, warm, 0, out, len(warmup))
+        if not args.no_warmup:
+            warm = sb.write_dataset(out / "datasets" / "warmup.jsonl", warmup, "[warm-up]\n")
+            data["warmup"] = run_cell(args, servers, ckpt, variants[:1], "warmup", 2, warm, 0, out, len(warmup))
         cell = 0
         for name, (prompts, _) in sets.items():
             for c in args.concurrency:

