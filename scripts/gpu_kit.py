@@ -263,18 +263,39 @@ def fetch_metadata(python: str, specs: list[str], py_version: str, work: Path) -
     return found
 
 
-def exact_pins(meta: dict, extras: set[str], py_version: str) -> dict[str, tuple[str, set[str]]]:
-    """What `meta`'s package pins exactly (==, also ==X.*) for the GPU machine, with the extras it asks of each."""
+def requirements_for_target(meta: dict, extras: set[str], py_version: str) -> list:
+    """`meta`'s Requires-Dist (packaging Requirements) that apply on the GPU machine with `extras` asked."""
     try:
         from packaging.requirements import Requirement
     except ImportError:  # pip's own copy
         from pip._vendor.packaging.requirements import Requirement
-    out = {}
+    env = {**TARGET_MARKERS, "python_version": py_version, "python_full_version": f"{py_version}.3"}
+    out = []
     for line in meta.get("requires_dist") or []:
         req = Requirement(line)
-        env = {**TARGET_MARKERS, "python_version": py_version, "python_full_version": f"{py_version}.3"}
-        if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""}):
-            continue
+        if not req.marker or any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""}):
+            out.append(req)
+    return out
+
+
+def narrow_names(items: list[dict], py_version: str) -> set[str]:
+    """Names some resolved package asks for narrowly (==, ~=, or a range within one major version, such as
+    numba's llvmlite<0.48,>=0.47): an unknown installed version is unlikely to fit, so they travel whatever
+    their size."""
+    out = set()
+    for item in items:
+        for req in requirements_for_target(item["metadata"], set(item.get("requested_extras") or []), py_version):
+            ops = {s.operator: s.version for s in req.specifier}
+            if {"==", "~=", "==="} & ops.keys() or (
+                    "<" in ops and ">=" in ops and ops["<"].split(".")[0] == ops[">="].split(".")[0]):
+                out.add(norm(req.name))
+    return out
+
+
+def exact_pins(meta: dict, extras: set[str], py_version: str) -> dict[str, tuple[str, set[str]]]:
+    """What `meta`'s package pins exactly (==, also ==X.*) for the GPU machine, with the extras it asks of each."""
+    out = {}
+    for req in requirements_for_target(meta, extras, py_version):
         specs = list(req.specifier)
         if len(specs) == 1 and specs[0].operator == "==":
             out[norm(req.name)] = (str(specs[0]), set(req.extras))
@@ -408,17 +429,18 @@ def build_own_wheel(python: str, dest: Path) -> Path:
     return wheels[0]
 
 
-def select(items: list[dict], pre: list[Preinstalled], files: dict[str, Path], hedge_bytes: int):
-    """Split the resolution into what travels and what is left out: an `assumed` package travels as a hedge only
-    when its wheel is at most `hedge_bytes` (pip keeps the machine's copy when that satisfies)."""
+def select(items: list[dict], pre: list[Preinstalled], files: dict[str, Path], hedge_bytes: int, narrow: set[str]):
+    """Split the resolution into what travels and what is left out: an `assumed` package travels as a hedge when
+    something asks for it narrowly or its wheel is at most `hedge_bytes` (pip keeps the machine's copy when that
+    satisfies)."""
     assumed = {p.name: p.version for p in pre if not p.known}
     carried, left_out = [], []
     for item in items:
         name, version = norm(item["metadata"]["name"]), item["metadata"]["version"]
         path = files[name]
-        if name in assumed and path.stat().st_size > hedge_bytes:
+        if name in assumed and name not in narrow and path.stat().st_size > hedge_bytes:
             left_out.append({"name": name, "version": version, "bytes": path.stat().st_size,
-                             "reason": f"assumed on the GPU machine ({assumed[name]}); wheel too big to hedge"})
+                             "reason": "assumed on the GPU machine, asked for broadly; wheel too big to hedge"})
         else:
             carried.append(path)
     return carried, left_out
@@ -451,7 +473,7 @@ def cmd_build(args) -> int:
     files = {norm(i["metadata"]["name"]): p for i, p in zip(remote, paths, strict=True)}
     files["modelopt-ext"] = own
     files.update({norm(w.name.split("-")[0]): w for w in stand_ins})
-    carried, left_out = select(items, pre, files, int(args.hedge_mib * MIB))
+    carried, left_out = select(items, pre, files, int(args.hedge_mib * MIB), narrow_names(items, args.python_version))
     carried.sort(key=lambda p: p.name.lower())
     meta = {"vllm": args.vllm, "torch_pin": pin, "python": args.python_version,
             "placeholders": {norm(w.name.split("-")[0]): PLACEHOLDERS.get(norm(w.name.split("-")[0]), "asked for")
@@ -601,8 +623,8 @@ def install_stand_ins(python: str, pre: list[Preinstalled]) -> list[str]:
     subprocess.run(pip + ["--no-deps", *cuda], check=True)
     if any("relabelled" in n for n in notes):
         relabel(python, "nvidia-nccl-cu13", "2.27.7", "2.28.9")
-    rest = [f"{p.name}=={p.version}" for p in pre if p.name != "torch" and not p.name.startswith("nvidia-")
-            and p.name != "cuda-toolkit"]
+    rest = [f"{p.name}=={p.version}" if p.known else p.name for p in pre  # assumed: whatever fits the known ones
+            if p.name != "torch" and not p.name.startswith("nvidia-") and p.name != "cuda-toolkit"]
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as pins:
         pins.write(f"torch=={torch.version}\n")
         pins.flush()

@@ -156,3 +156,11 @@ def test_placeholder_wheel_is_an_empty_installable_wheel(tmp_path):
     assert names == {f"flashinfer_cubin-0.6.13.dist-info/{n}" for n in ("METADATA", "WHEEL", "RECORD")}
     assert "Name: flashinfer-cubin\nVersion: 0.6.13\n" in meta and "placeholder" in meta
     assert "Requires-Dist" not in meta
+
+
+def test_narrow_names_are_pins_compatible_releases_and_one_major_ranges():
+    items = [{"metadata": {"requires_dist": ["numba==0.65.0", "opencv-python-headless>=4.13.0", "pillow",
+                                            "grpcio<2.0.0,>=1.63.2", "cuda-bindings~=13.4.4",
+                                            "llvmlite<0.48,>=0.47.0dev0", "pywin32==311; sys_platform == 'win32'",
+                                            "z3==1; extra == 'solver'"]}}]
+    assert kit.narrow_names(items, "3.12") == {"numba", "cuda-bindings", "llvmlite"}
