@@ -179,10 +179,13 @@ gpu-wheels:
 # The offline GPU kit (issue #68, docs/gpu_kit.md): vLLM + modelopt-ext as sha256-checked parts in .kit/ for a GPU
 # machine without network, then its whole offline install rehearsed here in a clean venv of the kit's Python (3.12)
 # over stand-ins for what that machine has, and the device calls it takes. Needs PyPI; about 4 GB of downloads.
+# Its own small venv (.kit/tool): resolving for another platform without installing needs pip >= 24.
 gpu-kit-rehearsal:
-	$(PYTHON) scripts/gpu_kit.py build --out .kit
-	$(PYTHON) scripts/gpu_kit.py rehearse --kit .kit --report .kit/rehearsal.json
-	$(PYTHON) scripts/gpu_kit.py plan --kit .kit
+	test -x .kit/tool/bin/python || $(PYTHON) -m venv .kit/tool
+	.kit/tool/bin/python -m pip install -q --upgrade 'pip>=24' packaging
+	.kit/tool/bin/python scripts/gpu_kit.py build --out .kit
+	.kit/tool/bin/python scripts/gpu_kit.py rehearse --kit .kit --report .kit/rehearsal.json
+	.kit/tool/bin/python scripts/gpu_kit.py plan --kit .kit
 
 # Forget the stamps (not the envs): the next make re-checks each env and adopts or repairs it.
 clean-stamps:

@@ -446,7 +446,16 @@ def select(items: list[dict], pre: list[Preinstalled], files: dict[str, Path], h
     return carried, left_out
 
 
+def check_pip(python: str) -> None:
+    """Resolving for another platform without installing (--dry-run with --platform, no --target) needs pip >= 24."""
+    version = subprocess.run(pip_cmd(python) + ["--version"], check=True, capture_output=True, text=True).stdout
+    if int(version.split()[1].split(".")[0]) < 24:
+        raise KitError(f"{version.strip()}: build needs pip >= 24 (python -m pip install -U 'pip>=24', or run it "
+                       "as `make gpu-kit-rehearsal` does, from .kit/tool)")
+
+
 def cmd_build(args) -> int:
+    check_pip(sys.executable)
     out, work = Path(args.out), Path(args.out) / "work"
     work.mkdir(parents=True, exist_ok=True)
     pre = read_preinstalled(Path(args.preinstalled))
