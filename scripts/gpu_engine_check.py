@@ -223,7 +223,7 @@ def parse(argv=None):
     ap.add_argument("--short-count", type=int, default=3)
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--target", type=float, default=0.5, help="target sparsity of the block (both phases)")
-    ap.add_argument("--qk-scale", type=float, default=4.0, help="scale of the random q/k projections")
+    ap.add_argument("--qk-scale", type=float, default=8.0, help="scale of the random q/k projections")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend (default: vLLM's choice)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
