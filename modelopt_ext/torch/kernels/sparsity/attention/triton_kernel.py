@@ -84,10 +84,18 @@ is unchanged.
 Counts are accumulated per program in registers and added with one `tl.atomic_add` per (program, trial) into
 the int64 `[B, T, 2]` buffer (integer adds: exact and order independent).
 
+FP8 KV caches (`float8_e4m3fn` / `float8_e5m2` views, docs/skip_softmax.md "Inputs": a key is k8 · k_scale, a value
+v8 · v_scale) compile from the caches' pointer type (no constexpr of their own; a cache in q's dtype compiles the
+same code as before, apart from the unused `v_scale` argument). The host folds k_scale into the softmax scale, so
+scores, the window prepass, the soft cap and the skip test see (q·k8) · (softmax_scale · k_scale); a loaded FP8
+tile is converted exactly to q's dtype (`_dot_input`) before its dot; v_scale, a runtime fp32 argument (host
+float, fixed per layer: CUDA-graph safe), divides the softmax denominator once per row (`_normalized`; the decode
+splits store l / v_scale, so the merge kernel is unchanged).
+
 Supported: fp16 / bf16 / fp32 inputs (fp32 accumulation; fp32 inputs use IEEE fp32 dots, never TF32, so
-skip decisions match the reference); head sizes 16 <= D <= 256 (non powers of two are padded with masks);
-page sizes that are powers of two >= 16; any strides for q, out and the K/V cache views (Triton specialises
-unit strides, so a contiguous last dimension costs nothing extra). float64 is reference-only.
+skip decisions match the reference) over caches in q's dtype or FP8; head sizes 16 <= D <= 256 (non powers of two
+are padded with masks); page sizes that are powers of two >= 16; any strides for q, out and the K/V cache views
+(Triton specialises unit strides, so a contiguous last dimension costs nothing extra). float64 is reference-only.
 Not checked on the device (would need a host sync): `seq_lens_k >= q_len` (the reference raises).
 
 Being fast on an H200 (sm_90)
@@ -158,11 +166,14 @@ def _load_k_tile(k_ptr, bt_row, kpos, k_in, kv_head, offs_d, d_in,
 @triton.jit
 def _dot_input(x, DOT_T: tl.constexpr):
     """A loaded cache tile as the input of its dot (`DOT_T`: q's dtype, fp32 for FP32_DOT). A cache in q's dtype: x
-    itself (no code). An FP8 tile: through fp32, exact (FP8 values are exact in fp16, bf16 and fp32); a direct
-    conversion to fp16 loses e5m2 subnormals under the interpreter (Triton 3.8), and on sm_90 the two-step form
-    compiles to the same PTX for fp16 and to fewer instructions for bf16 (cvt f16x2 <- e4m3x2 / e5m2x2, f32, bf16
-    against an integer emulation of e5m2 -> bf16); the cost left is that the converted tile goes back to shared
-    memory for the wgmma."""
+    itself (no code). An FP8 tile: through fp32, exact (FP8 values are exact in fp16, bf16 and fp32). Chosen over a
+    direct conversion: Triton 3.8's interpreter flushes e5m2 subnormals converting straight to fp16; for sm_90 the
+    fp16 PTX is the same either way, the bf16 PTX of a conversion-only kernel is shorter (cvt f16x2 <- e4m3x2 /
+    e5m2x2, f32, bf16, where the direct e5m2 -> bf16 is an integer emulation), and in the attention kernels
+    neither wins (D = 256, the one head size where either spills: prefill 72 bytes of spill stores against 32,
+    decode rows 12 against 52; none at D <= 128). On sm_90 the
+    converted tile goes back to shared memory for the wgmma (K^T and V are its B operands): with the conversion,
+    the cost an FP8 cache adds."""
     if x.dtype.is_fp8():
         x = x.to(tl.float32)
     return x.to(DOT_T)
