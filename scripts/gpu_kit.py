@@ -209,20 +209,21 @@ def plan_calls(manifest: dict, tree: int, call_bytes: int = CALL_MIB * MIB, max_
 
 
 def call_commands(manifest: dict, calls: list[list], engine_args: str = "") -> list[dict]:
-    """The `run` arguments of each call: carry list and command (the last one assembles, installs and runs the
-    engine check in the same command, before the machine can go cold)."""
+    """The `run` arguments of each call: every call receives its parts; the last one with parts also assembles and
+    installs; one more call (nothing carried) runs the engine check, so neither command nears the 10-minute cap."""
     out = []
     for i, names in enumerate(calls):
         carry = [".kit/manifest.json"] + [f".kit/parts/{n}" for n in names]
         cmd = f"python3 scripts/gpu_kit.py receive --kit .kit --expect-before {sum(len(c) for c in calls[:i])}"
         if i == len(calls) - 1:
-            cmd = ("set -o pipefail; export PYTHONUNBUFFERED=1; " + cmd +
-                   " && python3 scripts/gpu_kit.py assemble --parts .kit/recv --out /tmp/kit-wheels"
-                   " && python3 scripts/gpu_kit.py install --wheels /tmp/kit-wheels 2>&1 | tee $OUT/install.log"
-                   f" && python3 scripts/gpu_engine_check.py --out $OUT {engine_args}".rstrip()
-                   + " 2>&1 | tee $OUT/engine_check.log")
-        out.append({"call": i + 1, "carry": carry, "command": cmd,
+            cmd = ("set -o pipefail; " + cmd + " && python3 scripts/gpu_kit.py assemble --parts .kit/recv --out "
+                   "/tmp/kit-wheels && python3 scripts/gpu_kit.py install --wheels /tmp/kit-wheels 2>&1 | tee "
+                   "$OUT/install.log")
+        out.append({"call": i + 1, "carry": carry, "command": cmd, "timeout_s": 120 if i < len(calls) - 1 else 420,
                     "carry_bytes": sum(p["size"] for p in manifest["parts"] if p["name"] in names)})
+    engine = ("set -o pipefail; export PYTHONUNBUFFERED=1; python3 -c 'import vllm' && python3 "
+              f"scripts/gpu_engine_check.py --out $OUT/engine {engine_args}".rstrip() + " 2>&1 | tee $OUT/engine.log")
+    out.append({"call": len(calls) + 1, "carry": [], "command": engine, "timeout_s": 540, "carry_bytes": 0})
     return out
 
 
@@ -396,6 +397,8 @@ PLACEHOLDERS = {
     "pynvvideocodec": "GPU video decoding for multimodal inputs, imported lazily",
     "cuda-tile": "cuTile (FlashInfer's all-gather matmul only); takes CUDA 13.2 nvcc/nvvm/tileiras wheels along "
                  "(138 MiB), where the image has its own nvcc",
+    "nvidia-cuda-nvcc": "the CUDA 13.5 compiler humming-kernels[cu13] asks for (JIT kernels vLLM imports lazily); "
+                        "takes nvidia-nvvm along (116 MiB together), where the image has its own nvcc 13.0",
 }
 
 
@@ -567,12 +570,12 @@ def cmd_plan(args) -> int:
     calls = call_commands(manifest, plan_calls(manifest, tree, int(args.call_mib * MIB)), args.engine_args)
     print(f"kit: vllm=={manifest['vllm']}, {len(manifest['files'])} files, {manifest['total_bytes'] / MIB:.1f} MiB, "
           f"{len(manifest['parts'])} parts; working tree {tree / MIB:.1f} MiB travels with every call")
-    print(f"{len(calls)} device calls, back to back (a machine idle ~30 s is given back and its parts are lost):")
+    print(f"{len(calls)} device calls ({len(calls) - 1} carrying parts, then the engine check), back to back: a "
+          "machine idle for ~30 s is given back, and the parts and installs on it are lost")
     for call in calls:
         total = (tree + call["carry_bytes"]) / MIB
         print(f"\n# call {call['call']}/{len(calls)}: {len(call['carry'])} carry paths, {total:.1f} MiB travel")
-        print(json.dumps({"command": call["command"], "carry": call["carry"], "timeout_s": 120 if
-                          call["call"] < len(calls) else 540}))
+        print(json.dumps({k: call[k] for k in ("command", "carry", "timeout_s")}))
     return 0
 
 
@@ -689,7 +692,7 @@ def cmd_rehearse(args) -> int:
         raise KitError(f"import check failed in the rehearsal venv:\n{check.stderr[-3000:]}")
     calls = plan_calls(manifest, tree_bytes())
     result = {"python": python, "kit_mib": round(manifest["total_bytes"] / MIB, 1), "files": len(manifest["files"]),
-              "parts": len(manifest["parts"]), "device_calls": len(calls), "installed_from_kit": installed,
+              "parts": len(manifest["parts"]), "device_calls": len(calls) + 1, "installed_from_kit": installed,
               "left_out": [e["name"] for e in manifest["left_out"]], "stand_in_notes": notes,
               "import_check": json.loads(check.stdout.strip().splitlines()[-1]),
               "seconds": {"stand_ins": round(t_assemble - start, 1), "assemble": round(t_install - t_assemble, 1),

@@ -98,8 +98,9 @@ def test_call_commands_receive_everywhere_and_install_in_the_last_call(tmp_path)
     assert cmds[1]["carry"][1:] == [".kit/parts/part-001.bin", ".kit/parts/part-002.bin"]
     assert "--expect-before 0" in cmds[0]["command"] and "--expect-before 1" in cmds[1]["command"]
     assert "install" not in cmds[0]["command"]
-    assert "assemble" in cmds[1]["command"] and "gpu_engine_check.py" in cmds[1]["command"]
-    assert all(len(c["command"]) <= 2000 and len(c["carry"]) <= 8 for c in cmds)
+    assert "assemble" in cmds[1]["command"] and "install" in cmds[1]["command"]
+    assert cmds[2]["carry"] == [] and "gpu_engine_check.py" in cmds[2]["command"]  # one more call, nothing carried
+    assert all(len(c["command"]) <= 2000 and len(c["carry"]) <= 8 and c["timeout_s"] <= 600 for c in cmds)
 
 
 def test_receive_moves_parts_and_detects_a_fresh_machine(tmp_path):
