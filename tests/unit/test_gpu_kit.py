@@ -94,7 +94,7 @@ def test_default_part_size_leaves_room_for_the_tree_and_the_manifest():
 def test_call_commands_receive_everywhere_and_install_in_the_last_call(tmp_path):
     manifest = kit.pack(_files(tmp_path, [3000]), tmp_path / "kit", 1000, {})
     cmds = kit.call_commands(manifest, [["part-000.bin"], ["part-001.bin", "part-002.bin"]])
-    assert [c["carry"][0] for c in cmds] == [".kit/manifest.json"] * 2
+    assert [c["carry"][0] for c in cmds[:2]] == [".kit/manifest.json"] * 2
     assert cmds[1]["carry"][1:] == [".kit/parts/part-001.bin", ".kit/parts/part-002.bin"]
     assert "--expect-before 0" in cmds[0]["command"] and "--expect-before 1" in cmds[1]["command"]
     assert "install" not in cmds[0]["command"]
