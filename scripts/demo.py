@@ -2,7 +2,9 @@
 """`make demo`: the whole product on the embedded default, on vLLM's CPU engine, no GPU needed.
 
 1. calibrate skip-softmax thresholds for SmolLM2-135M through vLLM (examples/vllm_serve/calibrate_sparse_attn.py,
-   a few short RULER-style prompts so it takes minutes, not hours);
+   four prompts, 256..2048 tokens, so it takes minutes, not hours): the longest reaches the server's
+   --max-model-len, so the law is measured at the lengths the demo serves (its long prompt, ~1.7k tokens), not
+   extrapolated to them;
 2. export the fit into a copy of the checkpoint's config.json (`sparse_attention_config`);
 3. serve that checkpoint with vLLM's OpenAI server and the sparse attention impls
    (examples/vllm_serve/vllm_serve_sparse_attn.py);
@@ -28,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from modelopt_ext.torch.sparsity.attention_sparsity.checkpoint.config_io import linked_checkpoint_copy
+from modelopt_ext.torch.sparsity.attention_sparsity.cli.arguments import calibrated_lengths
 from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
     free_port,
     running_server,
@@ -40,15 +43,18 @@ log = logging.getLogger("demo")
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "vllm_serve"
 LONG_PROMPT = " ".join(f"Item {i} is filed under drawer {i % 7}." for i in range(150)) + " Item 42 is in drawer"
+# The server's --max-model-len, and the longest calibration prompt: calibration covers every length served.
+MAX_MODEL_LEN = 2048
+CALIB_SAMPLES = 4  # one prompt per length bin: 2048, 1024, 512, 256 tokens
 
 
 def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
-    """Run the calibration example on a few short prompts (vLLM's default multi-process engine, as a user runs it)
-    and update `ckpt`'s config."""
+    """Run the calibration example on prompts up to the served length (vLLM's default multi-process engine, as a
+    user runs it) and update `ckpt`'s config."""
     output = out_dir / "sparse_attention_config.json"
     cmd = [
-        python, str(EXAMPLES / "calibrate_sparse_attn.py"), str(ckpt),
-        "--target_sparse_ratio", str(target), "--calib_samples", "4", "--calib_max_seqlen", "1024",
+        python, str(EXAMPLES / "calibrate_sparse_attn.py"), str(ckpt), "--target_sparse_ratio", str(target),
+        "--calib_samples", str(CALIB_SAMPLES), "--calib_max_seqlen", str(MAX_MODEL_LEN),
         "--decode_tokens", "8", "--dtype", "float32", "--output", str(output), "--update_checkpoint_config",
     ]  # fmt: skip
     env = dict(os.environ)
@@ -57,6 +63,17 @@ def calibrate(python: str, ckpt: Path, out_dir: Path, target: float) -> Path:
     log.info("calibrating: %s", " ".join(cmd))
     subprocess.run(cmd, env=env, check=True)
     return output
+
+
+def outside_note(tokens: int | None, lengths: dict[str, tuple[int, int]]) -> str:
+    """'' when a prompt of `tokens` lies within the calibrated prefill lengths (or a tile, 64 tokens, or less:
+    nothing to skip), else a note that its law is extrapolated in length."""
+    if tokens is None or "prefill" not in lengths or tokens <= 64:
+        return ""
+    lo, hi = lengths["prefill"]
+    if lo <= tokens <= hi:
+        return ""
+    return f"; outside the calibrated {lo}..{hi}: the law is extrapolated in length"
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 300.0) -> dict:
@@ -73,7 +90,7 @@ def serve(python: str, model: Path, port: int, log_path: Path, extra_args: list[
     cmd = [
         python, str(EXAMPLES / "vllm_serve_sparse_attn.py"), str(model), "--served-model-name", model.name,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048",
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         *extra_args,
     ]  # fmt: skip
     env = server_env()
@@ -110,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     t_cal = time.monotonic() - t0
     block = json.loads((ckpt / "config.json").read_text())["sparse_attention_config"]
     scale = block["config_groups"]["group_0"]["threshold_scale_factor"]
+    lengths = calibrated_lengths(block)
     print(f"calibrated in {t_cal:.0f} s -> {config_path} (plot: {config_path.with_suffix('.png')}, raw records: "
           f"{config_path.with_name(config_path.stem + '.records.npz')})")
     for phase in ("prefill", "decode"):
-        print(f"  {phase:7s}: scale_factor = {scale[phase]['a']:.4g} * exp({scale[phase]['b']:.4g} * s)")
+        span = f", calibrated on {lengths[phase][0]}..{lengths[phase][1]} tokens" if phase in lengths else ""
+        print(f"  {phase:7s}: scale_factor = {scale[phase]['a']:.4g} * exp({scale[phase]['b']:.4g} * s){span}")
 
     port = args.port or free_port()
     with serve(args.python, ckpt, port, workdir / "server.log", args.server_args, args.start_timeout) as base:
@@ -122,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             payload = {"model": ckpt.name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0}
             t1 = time.monotonic()
             reply = http_json(f"{base}/v1/completions", payload)
-            replies.append((prompt, reply["choices"][0]["text"], time.monotonic() - t1))
+            tokens = (reply.get("usage") or {}).get("prompt_tokens")
+            replies.append((prompt, reply["choices"][0]["text"], time.monotonic() - t1, tokens))
         metrics = sparse_metrics(base)
-    for prompt, text, latency in replies:
+    for prompt, text, latency, tokens in replies:
         shown = prompt if len(prompt) < 60 else f"{prompt[:40]}... ({len(prompt)} chars)"
-        print(f"prompt : {shown!r}\nreply  : {text!r}  ({latency:.2f} s)")
+        print(f"prompt : {shown!r} ({tokens} tokens{outside_note(tokens, lengths)})\n"
+              f"reply  : {text!r}  ({latency:.2f} s)")
     layers = {k: v for k, v in metrics.items() if k.startswith("modelopt_sparse_attn_layers{")}
     sparse = sum(v for k, v in layers.items() if 'served="sparse"' in k)
     print(f"sparse layers: {sparse:.0f}/{sum(layers.values()):.0f} (from {base}/metrics)")

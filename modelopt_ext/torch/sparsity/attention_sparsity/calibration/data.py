@@ -12,8 +12,10 @@ distractors), at several lengths, because the fitted law must hold across kv_len
   `natural_text.py`; the held-out split is kept for the fidelity benchmark), so the fitted law also sees the
   attention of ordinary text, not only of synthetic retrieval tasks.
 
-Lengths are powers of two between `min_seqlen` and `max_seqlen`; each prompt is grown (by whole haystack units)
-to the largest size whose token count with the given tokenizer, special tokens included, is <= the target.
+Lengths are powers of two between `min_seqlen` and `max_seqlen` (or, with `exact_top`, `max_seqlen` itself and its
+halvings, so that the longest calibration prompt reaches the longest prompt served); each prompt is grown (by whole
+haystack units) to the largest size whose token count with the given tokenizer, special tokens included, is <= the
+target.
 Everything is deterministic for a seed, and results are cached as JSON keyed by the tokenizer's vocabulary hash and
 the parameters.
 """
@@ -217,11 +219,17 @@ def _fit_to_length(render: Callable[[int], str], tokenizer: Any, target: int, ta
     return prompt, _count_tokens(tokenizer, prompt)
 
 
-def target_lengths(max_seqlen: int, min_seqlen: int | None = None) -> list[int]:
-    """Powers of two in [min_seqlen, max_seqlen], longest first; min_seqlen defaults to 4 bins (max / 8)."""
+def target_lengths(max_seqlen: int, min_seqlen: int | None = None, *, exact_top: bool = False) -> list[int]:
+    """Powers of two in [min_seqlen, max_seqlen], longest first; min_seqlen defaults to 4 bins (max / 8).
+
+    With `exact_top` the bins are `max_seqlen` and its halvings instead (8160 -> 8160, 4080, 2040, 1020): the
+    longest calibration prompt then reaches `max_seqlen`, where powers of two would stop up to half below it (4096)
+    and leave the longest served prompts to a law extrapolated in length. A power of two gives the same bins either
+    way."""
     if max_seqlen < 2:
         raise ValueError(f"max_seqlen must be >= 2, got {max_seqlen}")
-    top = 1 << (max_seqlen.bit_length() - 1)  # largest power of two <= max_seqlen
+    # longest bin: max_seqlen itself, or the largest power of two <= max_seqlen
+    top = max_seqlen if exact_top else 1 << (max_seqlen.bit_length() - 1)
     floor = max(2, min_seqlen if min_seqlen is not None else top // 8)
     lengths = []
     length = top
@@ -229,7 +237,8 @@ def target_lengths(max_seqlen: int, min_seqlen: int | None = None) -> list[int]:
         lengths.append(length)
         length //= 2
     if not lengths:
-        raise ValueError(f"no power of two in [min_seqlen={min_seqlen}, max_seqlen={max_seqlen}]")
+        what = "length bin" if exact_top else "power of two"
+        raise ValueError(f"no {what} in [min_seqlen={min_seqlen}, max_seqlen={max_seqlen}]")
     return lengths
 
 
@@ -284,20 +293,22 @@ def build_calibration_prompts(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     tasks: tuple[str, ...] | None = None,
+    exact_top: bool = False,
 ) -> list[CalibrationSample]:
     """Build `num_samples` RULER-style prompts spread over power-of-two lengths and tasks.
 
     Sample i gets length bin `i % n_bins` and task `(i // n_bins) % n_tasks`: each task is run at every length
     before the next task starts, so the lengths see the same mix of tasks and the fitted length law is not a task
     difference in disguise (with one task per length, the "length exponent" fits which task sat at which length);
-    n_bins * n_tasks samples cover every (length, task) pair. A task whose template alone is longer than a bin
+    n_bins * n_tasks samples cover every (length, task) pair. `exact_top`: the bins of `target_lengths(...,
+    exact_top=True)`, from `max_seqlen` itself down. A task whose template alone is longer than a bin
     (a retrieval task in a 128-token bin) gives its samples there to the next task in the list. `data_dir` adds the
     `niah_essay` task over its `.txt` files. Results are cached under `cache_dir` (default
     `$XDG_CACHE_HOME/modelopt_ext/calibration_data`) unless `use_cache=False`.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    lengths = target_lengths(max_seqlen, min_seqlen)
+    lengths = target_lengths(max_seqlen, min_seqlen, exact_top=exact_top)
     essay_sentences: list[str] = []
     essay_hash = None
     if data_dir is not None:

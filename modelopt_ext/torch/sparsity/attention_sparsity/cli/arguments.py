@@ -133,11 +133,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="target sparsity: one number for both phases, or 'prefill=0.5,decode=0.3' (every phase "
                           "needs one; 'decode=dense' leaves a phase dense)")
     own.add_argument("--calib-data-dir", default=None, help="optional folder of essay .txt files as extra haystacks")
-    own.add_argument("--calib-samples", type=int, default=24, help="number of calibration prompts")
+    own.add_argument("--calib-samples", type=int, default=24,
+                     help="number of calibration prompts, spread over the length bins in turn (one per bin "
+                          "before a second)")
     own.add_argument("--calib-max-seqlen", type=int, default=None,
-                     help=f"longest calibration prompt in tokens; unset: {DEFAULT_MAX_SEQLEN}, or less when the "
-                          "model's context is shorter")
-    own.add_argument("--calib-min-seqlen", type=int, default=None, help="shortest calibration prompt in tokens")
+                     help=f"longest calibration prompt in tokens: the length bins are this and its halvings down "
+                          f"to --calib-min-seqlen; unset: the model's context minus --decode-tokens, at most "
+                          f"{DEFAULT_MAX_SEQLEN} (SmolLM2, 8192 positions: bins 8160, 4080, 2040, 1020). Serve with "
+                          "a --max-model-len near it: longer prompts get the law extrapolated in length (the serve "
+                          "script warns)")
+    own.add_argument("--calib-min-seqlen", type=int, default=None,
+                     help="shortest calibration prompt in tokens; unset: --calib-max-seqlen / 8 (4 length bins)")
     own.add_argument("--decode-tokens", type=int, default=32, help="decode steps per prompt (calibrates decode)")
     own.add_argument("--prompts-file", default=None, help="text (one prompt per line) or JSONL with 'prompt'; "
                      "replaces the built-in calibration data")
@@ -314,7 +320,7 @@ def _check_lengths(args, config: dict) -> tuple[int, tuple[int, str] | None]:
                                 f"lower --calib_max_seqlen to {limit} or less")
     if not args.prompts_file:
         try:
-            target_lengths(max_seqlen, args.calib_min_seqlen)
+            target_lengths(max_seqlen, args.calib_min_seqlen, exact_top=True)
         except ValueError as exc:
             raise ArgumentError("--calib_min_seqlen" if args.calib_min_seqlen else "--calib_max_seqlen", str(exc),
                                 "--calib_min_seqlen must be <= --calib_max_seqlen and both >= 2") from None
@@ -394,3 +400,70 @@ def check_args(args) -> Plan:
 
 
 # ---------------------------------------------------------------------------------------------------- the engine
+
+
+# ------------------------------------------------------------------------------- calibrated lengths at serve time
+
+# Where a calibration records the lengths it measured: the block's free-form `producer` map (ModelOpt's loader and
+# our schema keep it as written), per phase [shortest, longest] law length (kv_len) of the fit's points.
+CALIBRATION_LENGTHS_KEY = "calibration_lengths"
+# A served --max-model-len more than this many times the longest calibrated length is reported at serve time.
+EXTRAPOLATION_FACTOR = 1.5
+
+
+def calibrated_lengths(block: dict | None) -> dict[str, tuple[int, int]]:
+    """Per phase the (shortest, longest) calibrated law length recorded in a `sparse_attention_config` block; empty
+    when the block does not record them (another producer, an older calibration)."""
+    producer = (block or {}).get("producer") if isinstance(block, dict) else None
+    ranges = producer.get(CALIBRATION_LENGTHS_KEY) if isinstance(producer, dict) else None
+    out = {}
+    for phase, pair in (ranges.items() if isinstance(ranges, dict) else ()):
+        if (isinstance(pair, list | tuple) and len(pair) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair)):
+            out[phase] = (min(pair), max(pair))
+    return out
+
+
+def _max_model_len_flag(serve_args: list[str]) -> int | str | None:
+    """--max-model-len among vLLM serve arguments: an int, "auto" (-1, "auto" or unset), or the unreadable text."""
+    for i, arg in enumerate(serve_args):
+        name, eq, value = arg.partition("=")
+        if name not in ("--max-model-len", "--max_model_len"):
+            continue
+        value = (value if eq else (serve_args[i + 1] if i + 1 < len(serve_args) else "")).strip()
+        if value in ("-1", "auto"):
+            return "auto"
+        units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}  # vLLM's human-readable sizes (1k, 2K)
+        number, unit = (value[:-1], units[value[-1]]) if value[-1:] in units else (value, 1)
+        try:
+            return int(float(number) * unit)
+        except ValueError:
+            return value
+    return "auto"
+
+
+def served_length_warning(config: dict, serve_args: list[str]) -> str | None:
+    """One line when the server would accept prompts far longer than the checkpoint was calibrated on (its
+    `--max-model-len`, or unset the model's context, above `EXTRAPOLATION_FACTOR` times the longest calibrated
+    length), else None. Read once at start-up from config.json and the arguments; nothing per request."""
+    ranges = calibrated_lengths(config.get("sparse_attention_config"))
+    if not ranges:
+        return None
+    flag = _max_model_len_flag(serve_args)
+    if flag == "auto":
+        context = engine_setup.model_context_length(config)
+        if context is None:
+            return None
+        served, where = context[0], f"the model's context ({context[1]}; --max-model-len unset)"
+    elif isinstance(flag, int):
+        served, where = flag, f"--max-model-len {flag}"
+    else:
+        return None
+    longest = max(hi for _, hi in ranges.values())
+    if served <= EXTRAPOLATION_FACTOR * longest:
+        return None
+    shown = ", ".join(f"{phase} {lo}..{hi}" for phase, (lo, hi) in ranges.items())
+    return (f"sparse_attention_config was calibrated on sequences of {shown} tokens, but this server accepts "
+            f"{served} ({where}): prompts much longer than {longest} tokens are served with the length law "
+            f"extrapolated and their realized sparsity may be off target; recalibrate with --calib_max_seqlen near "
+            f"{served} (at most {served} minus --decode_tokens), or serve with --max-model-len {longest}")

@@ -37,7 +37,16 @@ import time
 from pathlib import Path
 
 from . import engine_setup
-from .arguments import PHASES, ArgumentError, Plan, build_parser, check_args, remove_created_folders, vllm_cli
+from .arguments import (
+    CALIBRATION_LENGTHS_KEY,
+    PHASES,
+    ArgumentError,
+    Plan,
+    build_parser,
+    check_args,
+    remove_created_folders,
+    vllm_cli,
+)
 from .engine_control import (
     Interrupted,
     end_leftover_processes,
@@ -176,6 +185,9 @@ def fit_and_write(args, plan: Plan, merged: dict) -> int:
     targets = {p: plan.targets[p] for p in wanted}
     classes = _attention_classes(plan.ckpt)
     block = build_sparse_attention_config(fits, target_sparsity=targets, attention_classes=classes)
+    lengths = {p: [int(v) for v in fit.length_range] for p, fit in fits.items() if fit.length_range}
+    if lengths:  # what the serve script compares with its --max-model-len (arguments.served_length_warning)
+        block["producer"] = {**block["producer"], CALIBRATION_LENGTHS_KEY: lengths}
     output = write_json_atomic(plan.output, block)
     WRITTEN.append(output)
     try:
@@ -194,11 +206,22 @@ def fit_and_write(args, plan: Plan, merged: dict) -> int:
     for phase in PHASES:
         if phase not in wanted:
             logger.info("%s: dense (no target)", phase)
+    log_calibrated_lengths(lengths)
     logger.info("wrote %s%s", output, f" and {plot_path}" if plot_path else "")
     if args.update_checkpoint_config:
         WRITTEN.append(write_sparse_attention_config(plan.ckpt, block))
         logger.info("updated %s", WRITTEN[-1])
     return 0
+
+
+def log_calibrated_lengths(lengths: dict[str, list[int]]) -> None:
+    """The calibrated length range, once, at the end: the law is measured there and extrapolated beyond it."""
+    if not lengths:
+        return
+    longest = max(hi for _, hi in lengths.values())
+    logger.info("calibrated length range: %s tokens; serve with --max-model-len up to about %d: longer prompts "
+                "get the law extrapolated in length (the serve script warns; --calib_max_seqlen widens the range)",
+                ", ".join(f"{p} {lo}..{hi}" for p, (lo, hi) in lengths.items()), longest)
 
 
 def _keep_records(args, plan: Plan, merged: dict, meta: dict) -> None:
@@ -249,7 +272,7 @@ def calibrate(args, plan: Plan) -> int:
     else:
         samples = build_calibration_prompts(
             tokenizer, num_samples=args.calib_samples, max_seqlen=plan.max_seqlen,
-            min_seqlen=args.calib_min_seqlen, seed=args.seed, data_dir=args.calib_data_dir,
+            min_seqlen=args.calib_min_seqlen, seed=args.seed, data_dir=args.calib_data_dir, exact_top=True,
         )  # fmt: skip
     longest = max(s.num_tokens for s in samples)
     max_model_len = args.max_model_len or longest + args.decode_tokens

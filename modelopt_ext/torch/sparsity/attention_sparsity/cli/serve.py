@@ -16,12 +16,14 @@ POST /collective_rpc {"method": "sparse_attn_status"}).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 from . import engine_setup
+from .arguments import served_length_warning
 
 logger = logging.getLogger("vllm_serve_sparse_attn")
 
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     ckpt = Path(argv[0]).resolve()
     check_checkpoint(ckpt)
+    note = served_length_warning(json.loads((ckpt / "config.json").read_text()), argv[1:])
+    if note:  # once, at start-up: the law is extrapolated beyond the calibrated lengths
+        logger.warning(note)
 
     from vllm.platforms import current_platform
 
