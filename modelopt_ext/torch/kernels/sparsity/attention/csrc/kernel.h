@@ -49,6 +49,10 @@ class Kernel {
 
   explicit Kernel(const Params& p) : p_(p) {}
 
+  // vLLM's `amx` layout (Params::vnni; bf16 only): compiled out of the FP8 instances, whose calls never read it
+  // (their extra call sites of its micro-kernels otherwise changed GCC's inlining of the bf16 ones).
+  bool vnni() const { return std::is_same_v<C, T> && p_.vnni; }
+
   void run_item(const Item& it, Scratch& sc, float* ws) const {
     const Params& p = p_;
     const int b = it.b, kvh = it.kvh, group = static_cast<int>(p.group), D = static_cast<int>(p.D);
@@ -95,7 +99,7 @@ class Kernel {
     int pending = -1;
 #if defined(MODELOPT_EXT_AMX)
     if constexpr (kPairs) {
-      if (sc.packed && p.tiles && p.vnni && M < 16) {
+      if (sc.packed && p.tiles && vnni() && M < 16) {
         decode_tiles(it, sc, M, t_begin, t_end, first_pos);
         t_begin = t_end;  // the loop below runs no tile
       }
@@ -179,7 +183,7 @@ class Kernel {
     sc.kbuf.resize(sizeof(C) * kTileK * D);
     sc.pf.resize(static_cast<size_t>(kPrefetchPerStep) * kMaxChunks * D);
     sc.vbuf.resize(sizeof(C) * 2 * kTileK * D);
-    if (p.vnni && sc.kzero.size() != static_cast<size_t>(16) * D) sc.kzero.assign(static_cast<size_t>(16) * D, 0);
+    if (vnni() && sc.kzero.size() != static_cast<size_t>(16) * D) sc.kzero.assign(static_cast<size_t>(16) * D, 0);
 
     const T* qp = static_cast<const T*>(p.q);
     for (int r = 0; r < n_rows; ++r) {
@@ -480,7 +484,7 @@ class Kernel {
     sc.n_kept[slot] = n_kept;
     sc.j_end[slot] = j_end;
     if (n_kept == 0) return;  // a tile every row drops: its V is never read
-    if (p_.vnni) {  // the tile's 32-key V steps that some kept row reads, in place
+    if (vnni()) {  // the tile's 32-key V steps that some kept row reads, in place
       for (int ks = 0; ks < 2 && 32 * ks < j_end; ++ks) {
         sc.vstep[slot][ks] = v_pairs(it.b, it.kvh, kstart + 32 * ks);
         sc.vstep_dt[slot][ks] = 16 * p_.page;
@@ -531,7 +535,7 @@ class Kernel {
       sc.prow[i] = s;
       sc.orow[i] = sc.o.data() + static_cast<size_t>(m) * D;
     }
-    if (p_.vnni) {  // step by step (a 64-key tile may span two pages of 32)
+    if (vnni()) {  // step by step (a 64-key tile may span two pages of 32)
       for (int ks = 0; ks < 2 && 32 * ks < sc.j_end[slot]; ++ks) {
         if (ks > 0) {
           for (int i = 0; i < n_kept; ++i) sc.prow[i] += 32;
@@ -571,7 +575,7 @@ class Kernel {
     // `amx` layout on the vector path: each 16-key group is D/2 contiguous rows of 64 bytes, so the list holds the
     // groups' starts and qk_vnni_kernel steps through their rows (a list of all 4 x D/2 lines, built per tile and
     // read back per step, made bf16 decode 1-10 % slower on the Xeon with AMX; V prefetched the same way: 0.86-1.06).
-    if (p.vnni && !sc.packed) {
+    if (vnni() && !sc.packed) {
       const int64_t kv_len = p.kvlen[it.b];
       for (int g = 0; next_t >= 0 && g < kTileK / 16; ++g) {
         const int64_t key0 = static_cast<int64_t>(next_t) * kTileK + 16 * g;
@@ -684,7 +688,7 @@ class Kernel {
         return;
       }
     }
-    if (p_.vnni) {
+    if (vnni()) {
       const uint16_t* grp[4];
       k_groups(it, sc, t, grp);
       const int D = static_cast<int>(p_.D);
@@ -835,7 +839,9 @@ class Kernel {
 
   // K of tile t as B tiles in buffer t & 1: each 16-key group interleaved by dimension pairs (kpack: [buffer]
   // [group][D/2][16][2]); a group that starts at or past kv_len is zeros (its scores are masked after).
-  void pack_k_pairs(const Item& it, Scratch& sc, int t) const {
+  // Out of line, as GCC compiled it before the FP8 instances were added (inlined since, bf16 prefill on VDPBF16PS
+  // ran 4-6 % slower on Zen 4, together with qk_dot_rows no longer inlined: bf16_dot_path.h).
+  __attribute__((noinline)) void pack_k_pairs(const Item& it, Scratch& sc, int t) const {
 #if defined(MODELOPT_EXT_BF16_PAIRS)
     const Params& p = p_;
     const int D = static_cast<int>(p.D);
@@ -844,7 +850,7 @@ class Kernel {
     const int64_t group_elems = static_cast<int64_t>(D / 2) * 32;
     uint16_t* kpack = sc.kpack.data() + static_cast<size_t>(t & 1) * 4 * group_elems;
     sc.k_tile[t & 1] = t;
-    if (p.vnni) {  // the groups are B tiles in the cache already
+    if (vnni()) {  // the groups are B tiles in the cache already
       k_groups(it, sc, t, sc.kgrp[t & 1]);
       return;
     }
@@ -891,7 +897,7 @@ class Kernel {
     const int dtiles = static_cast<int>(p_.D) / 16;
     uint16_t* vpack = sc.vpack.data();
     alignas(64) static const C kZeros[16] = {};
-    if (p_.vnni) {
+    if (vnni()) {
       for (int ks = 0; ks < n_steps; ++ks) {
         const int n_in = std::min(32, nj - 32 * ks);
         if (n_in == 32) continue;  // in place (set by stage_scores)

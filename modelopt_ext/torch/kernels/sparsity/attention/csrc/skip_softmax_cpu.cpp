@@ -20,6 +20,12 @@
 // never crossing a page) that starts at or past kv_len is never read, and P·V only reads V rows that some kept row
 // can see.
 //
+// FP8 caches (float8_e4m3fn, float8_e5m2; docs/skip_softmax.md "Inputs") are read in place the same way, in the
+// [blocks, page, Hkv, D] views only: a slot's key and value are its byte times k_scale and v_scale. Each K and V
+// load converts the bytes through fp16 (common.h, Fp8E4M3 / Fp8E5M2), k_scale is folded into the softmax scale and
+// v_scale into the output after the split merge (Params::scale, Params::out_scale); bf16 queries run prefill on the
+// packed bf16 pairs of VDPBF16PS (the FP8 tiles converted into them exactly), never on AMX tiles.
+//
 // Vectors are 16 floats wide where the compiler targets AVX-512 and 8 elsewhere (-march=native); the micro-kernels'
 // register blocking follows the width (AVX-512 has twice the registers, so each step keeps more accumulators).
 //
