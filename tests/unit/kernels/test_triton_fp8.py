@@ -33,7 +33,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 K_SCALE, V_SCALE = 0.37, 1.9
 NAN_BYTE = 0x7F  # NaN in float8_e4m3fn (S.1111.111) and in float8_e5m2 (S.11111.11)
-TOL = {torch.float32: (6e-5, 2e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2.5e-2, 2e-2)}  # (atol, rtol)
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}  # (atol, rtol)
 
 # A mixed batch (GQA 3 over one KV head, padded to 4): a 100-row chunk from position 350 (mid-block), a decode step
 # over 3 splits (4200 keys: split-K and the merge) and one in a single split (330 keys), a 40-row call whose last 20
@@ -149,17 +149,27 @@ def assert_matches(results, q_dtype):
      ("e5m2", torch.float16)],
     ids=["e4m3-bf16", "e4m3-fp32", "e5m2-bf16", "e5m2-fp32", "e5m2-fp16"],
 )  # fmt: skip
-def test_fp8_cache_matches_float64_reference(fp8, q_dtype):
-    """Prefill, a chunk, decode over 1 and 3 splits (split-K and merge), decode rows of a multi-row call, GQA:
-    dense, serving with thresholds that drop tiles in every deciding kernel, and calibration (two trials of
-    (prefill, decode) thresholds), against the float64 reference on the dequantized values."""
+def test_fp8_serving_matches_float64_reference(fp8, q_dtype):
+    """Prefill, a chunk, decode over 1 and 3 splits (split-K and merge), decode rows of a multi-row call, GQA,
+    served with thresholds that drop tiles in every deciding kernel, against the float64 reference on the
+    dequantized values."""
     case8, case64 = fp8_case(FP8[fp8], q_dtype, seed=7 if fp8 == "e4m3" else 8)
-    assert_matches(run_both(case8, case64), q_dtype)  # dense: no counts
-    law = _safe_law(case64, [(0.3, 0.4), (0.1, 0.7)], PROMPTS)
-    served = assert_matches(run_both(case8, case64, [trials[:1] for trials in law], PROMPTS), q_dtype)
+    law = _safe_law(case64, [(0.3, 0.4)], PROMPTS)
+    served = assert_matches(run_both(case8, case64, law, PROMPTS), q_dtype)
     assert (served[DROPPING, 0, 1] > 0).all(), served
+
+
+@pytest.mark.usefixtures("_interpreter_bf16_dots")
+@pytest.mark.parametrize(("fp8", "q_dtype"), [("e4m3", torch.bfloat16), ("e5m2", torch.float32)],
+                         ids=["e4m3-bf16", "e5m2-fp32"])  # fmt: skip
+def test_fp8_dense_and_calibration_match_float64_reference(fp8, q_dtype):
+    """The same batch dense (no counts; the decode rows in the prefill kernel) and calibrating two trials of
+    (prefill, decode) thresholds (dense rows, every trial's counts), against the float64 reference."""
+    case8, case64 = fp8_case(FP8[fp8], q_dtype, seed=7 if fp8 == "e4m3" else 8)
+    assert_matches(run_both(case8, case64), q_dtype)
+    law = _safe_law(case64, [(0.3, 0.4), (0.1, 0.7)], PROMPTS)
     calibrated = assert_matches(run_both(case8, case64, law, PROMPTS), q_dtype)
-    assert torch.equal(calibrated[:, 0], served[:, 0])
+    assert (calibrated[DROPPING, :, 1] > 0).all(), calibrated
 
 
 @pytest.mark.parametrize(
@@ -195,11 +205,10 @@ def test_fp8_launch_configs_and_strided_views(config, layout):
 def test_fp8_softcap_and_sinks():
     """Soft-capping and attention sinks over an e5m2 cache: the cap applies to the scores of the dequantized keys
     (k_scale inside the capped value), the sinks are compared with them; serving and calibration."""
-    case8, case64 = fp8_case(torch.float8_e5m2, torch.float32, q_lens=[100, 1, 1], kv_lens=[450, 2100, 330], hq=4,
-                             hkv=2, seed=23, spread=2.0)  # fmt: skip
+    case8, case64 = fp8_case(torch.float8_e5m2, torch.float32, q_lens=[100, 1, 1], kv_lens=[450, 2100, 330], hq=2,
+                             hkv=1, seed=23, spread=2.0)  # fmt: skip
     prompts = [450, 2099, 329]
-    extra = dict(logits_soft_cap=6.0, sinks=torch.tensor([3.5, -1.0, 1.5, 6.0]))
-    assert_matches(run_both(case8, case64, **extra), torch.float32)
+    extra = dict(logits_soft_cap=6.0, sinks=torch.tensor([3.5, 1.5]))
     law = _safe_law(case64, [(0.3, 0.3), (0.6, 0.6)], prompts, **extra)
     served = assert_matches(run_both(case8, case64, [t[:1] for t in law], prompts, **extra), torch.float32)
     assert served[:, 0, 1].sum() > 0
