@@ -463,12 +463,16 @@ def cmd_build(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     pre = read_preinstalled(Path(args.preinstalled))
     own = build_own_wheel(sys.executable, out / "own")
+    stub_python = args.stub_python or find_python(args.python_version)
+    if not stub_python:  # pip evaluates markers (python_version > "3.11") with the interpreter it resolves for
+        raise KitError(f"no Python {args.python_version} here (PATH, pyenv, uv) for the resolver's stub venv: pass "
+                       "--stub-python, or build for the Python you have (--python-version)")
     metas = known_closure(sys.executable, pre, args.python_version, work)
     (work / "machine_closure.json").write_text(json.dumps({n: m["version"] for n, m in metas.items()}, indent=1))
     reqs = [f"vllm=={args.vllm}", str(own)]
     placeholders = [] if args.placeholder == ["none"] else (args.placeholder or list(PLACEHOLDERS))
     with tempfile.TemporaryDirectory() as tmp:
-        stub_py = stub_env(args.stub_python, metas, Path(tmp) / "stub")
+        stub_py = stub_env(stub_python, metas, Path(tmp) / "stub")
         items = resolve(sys.executable, stub_py, reqs, args.python_version, work)
         stand_ins = [placeholder_wheel(norm(i["metadata"]["name"]), i["metadata"]["version"],
                                        PLACEHOLDERS.get(norm(i["metadata"]["name"]), "asked for"), out / "own")
@@ -720,7 +724,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--torch", default=GPU_TORCH, help="the GPU machine's torch; vLLM must pin exactly this")
     b.add_argument("--allow-torch-mismatch", action="store_true")
     b.add_argument("--python-version", default="3.12")
-    b.add_argument("--stub-python", default=sys.executable, help="any Python to make the resolver's stub venv")
+    b.add_argument("--stub-python", help="a Python of --python-version for the resolver's stub venv (pip "
+                   "evaluates environment markers with it; default: found on PATH, pyenv or uv)")
     b.add_argument("--part-mib", type=float, default=PART_MIB)
     b.add_argument("--placeholder", action="append", help="carry an empty wheel for this package instead of "
                    f"the real one (repeatable; default: {', '.join(PLACEHOLDERS)}; 'none': none)")
