@@ -195,20 +195,31 @@ def run_cell(args, servers, ckpt, variants, set_name, concurrency, dataset, orde
                           concurrency=concurrency, output_len=args.output_len, result_dir=out / "runs",
                           result_file=f"{set_name}_c{concurrency}_{label}.json", extra_body=body)  # fmt: skip
         log.info("[%s c=%d] %s: %d prompts ...", set_name, concurrency, label, num_prompts)
-        before = tile_counts(sparse_metrics(run.base_url)) if kind == "sparse" else None
-        t0 = time.monotonic()
-        result = sb.run_bench(run, out / "logs" / f"bench_{run.result_file}.log", _bench_env(), args.bench_timeout)
-        record = {"set": set_name, "concurrency": concurrency, "server": kind, "target": target,
-                  "seconds": round(time.monotonic() - t0, 1), "bench": sb.as_dict(run),
-                  "command": sb.bench_command(run), "result": result}  # fmt: skip
-        if before is not None:
-            record["realized"] = realized(before, tile_counts(sparse_metrics(run.base_url)))
-        r = sb.summary_row(record)
-        log.info("[%s c=%d] %s: TTFT %.0f ms, TPOT %.1f ms, %.2f output tok/s (%d/%d ok, %.0f s)%s", set_name,
-                 concurrency, label, r["mean_ttft_ms"], r["mean_tpot_ms"], r["output_throughput"], r["completed"],
-                 num_prompts, record["seconds"], _sparsity_note(record))  # fmt: skip
-        records.append(record)
+        records.append(_one_run(run, args, out, {"set": set_name, "concurrency": concurrency, "server": kind,
+                                                 "target": target}))  # fmt: skip
     return records
+
+
+def _one_run(run: sb.BenchRun, args, out: Path, record: dict) -> dict:
+    """One bench run and its record; a failed run is recorded with its error and the sweep goes on."""
+    before = tile_counts(sparse_metrics(run.base_url)) if run.server == "sparse" else None
+    t0 = time.monotonic()
+    record.update(bench=sb.as_dict(run), command=sb.bench_command(run), result={})
+    try:
+        record["result"] = sb.run_bench(run, out / "logs" / f"bench_{run.result_file}.log", _bench_env(),
+                                        args.bench_timeout)  # fmt: skip
+    except (RuntimeError, OSError, ValueError) as exc:
+        record["error"] = str(exc)
+        log.error("[%s c=%d] %s failed: %s", record["set"], run.concurrency, run.label, exc)
+        return record
+    record["seconds"] = round(time.monotonic() - t0, 1)
+    if before is not None:
+        record["realized"] = realized(before, tile_counts(sparse_metrics(run.base_url)))
+    r = sb.summary_row(record)
+    log.info("[%s c=%d] %s: TTFT %.0f ms, TPOT %.1f ms, %.2f output tok/s (%d/%d ok, %.0f s)%s", record["set"],
+             run.concurrency, run.label, r["mean_ttft_ms"] or 0, r["mean_tpot_ms"] or 0, r["output_throughput"] or 0,
+             r["completed"] or 0, run.num_prompts, record["seconds"], _sparsity_note(record))  # fmt: skip
+    return record
 
 
 def _bench_env() -> dict[str, str]:

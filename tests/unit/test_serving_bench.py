@@ -160,3 +160,19 @@ def test_run_bench_raises_with_the_log_tail(tmp_path, monkeypatch):
     write = f"echo '{{\"completed\": 1}}' > {tmp_path}/r.json"
     monkeypatch.setattr(sb, "bench_command", lambda run: ["sh", "-c", write])
     assert sb.run_bench(run, tmp_path / "log", {"PATH": "/usr/bin:/bin"}, timeout=30) == {"completed": 1}
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(serving, tmp_path, monkeypatch):
+    run = sb.BenchRun(server="dense", label="dense", base_url="http://127.0.0.1:9", model="m", tokenizer="/ck",
+                      dataset=tmp_path / "d.jsonl", num_prompts=1, concurrency=1, output_len=1,
+                      result_dir=tmp_path, result_file="r.json")  # fmt: skip
+
+    def fail(*args):
+        raise RuntimeError("vllm bench serve failed (exit 1)")
+
+    monkeypatch.setattr(sb, "run_bench", fail)
+    args = serving.parse_args(["--checkpoint", "/ck", "--quick"])
+    record = serving._one_run(run, args, tmp_path, {"set": "512", "concurrency": 1, "server": "dense", "target": None})
+    assert record["error"] == "vllm bench serve failed (exit 1)" and record["result"] == {}
+    row = sb.summary_row(record)
+    assert row["mean_ttft_ms"] is None and "| 512 | 1 | dense | – / – |" in sb.markdown_table([row])

@@ -222,7 +222,10 @@ def run_bench(run: BenchRun, log_path: Path, env: dict[str, str], timeout: float
     cmd = bench_command(run)
     logger.debug("bench: %s", " ".join(cmd))
     with log_path.open("wb") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"vllm bench serve ran past {timeout:.0f} s (log {log_path})") from None
     path = run.result_dir / run.result_file
     if proc.returncode != 0 or not path.is_file():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
