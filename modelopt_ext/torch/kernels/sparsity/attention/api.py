@@ -111,6 +111,14 @@ def _checked_softcap(logits_soft_cap: float | None) -> float:
     return softcap
 
 
+def _fp8_scales(k_cache, k_scale, v_scale) -> dict:
+    """An FP8 cache's scales as the backends take them (host floats), or {} for a cache in q's dtype (no argument, so
+    every backend build keeps the launch it always had)."""
+    if not is_fp8_cache(k_cache):
+        return {}
+    return dict(k_scale=checked_kv_scale(k_scale, "k_scale"), v_scale=checked_kv_scale(v_scale, "v_scale"))
+
+
 def _run_backend(chosen: str, q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_k, **kwargs):
     """Run the resolved backend on already normalized arguments; its counts (None when it counts nothing)."""
     if chosen == "triton":
@@ -159,14 +167,12 @@ def paged_skip_softmax_attention(
         block_table: [B, max_pages] int32 page ids per sequence.
         cu_seqlens_q: [B+1] int32 query offsets; seq_lens_k: [B] int32 key counts including the new tokens.
         softmax_scale: score scale (usually D ** -0.5).
-        skip_threshold: None (dense), a float λ, or a per-sequence [B] tensor of λ for every row
-            (λ <= 0 or >= 1: dense).
+        skip_threshold: None (dense), a float λ, or a per-sequence [B] tensor of λ (λ <= 0 or >= 1: dense).
         threshold_trials: calibration λ trials ([T] or [B, T]) for every row; the output stays dense.
         return_skip_counts: also return [B, 1, 2] (visited, skipped) row-tile counts of what was dropped.
         out: optional [>= total_q, Hq, D] output; rows past total_q are left untouched.
-        backend: "torch" (reference), "triton", "cpu" (compiled CPU kernel, built on first use), or "auto"
-            (Triton on CUDA / the compiled kernel on CPU when it covers the input, else the reference, with the
-            reason logged once).
+        backend: "torch" (reference), "triton", "cpu" (compiled CPU kernel, built on first use), or "auto" (Triton
+            on CUDA / the compiled kernel on CPU when it covers the input, else the reference, the reason logged).
         max_seqlen_k: optional host int bounding every `seq_lens_k` (e.g. vLLM's `max_seq_len`); lets the Triton
             decode path size its split-K workspace without a device read.
         log_scale_factors: the calibrated law instead of a plain λ: [B, 2] (serving) or [B, T, 2] (calibration,
@@ -187,9 +193,8 @@ def paged_skip_softmax_attention(
     """
     check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, out)
     batch = seq_lens_k.shape[0]
-    total_q = q.shape[0]
     if out is None:
-        out = torch.empty(total_q, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     log_sf, gamma, calibrate = normalize_thresholds(
         batch, q.device, skip_threshold=skip_threshold, threshold_trials=threshold_trials,
@@ -200,9 +205,7 @@ def paged_skip_softmax_attention(
     want_counts = calibrate or return_skip_counts
     softcap = _checked_softcap(logits_soft_cap)
     sinks = checked_sinks(sinks, q.shape[1], q.device)
-    fp8 = {}
-    if is_fp8_cache(k_cache):
-        fp8 = dict(k_scale=checked_kv_scale(k_scale, "k_scale"), v_scale=checked_kv_scale(v_scale, "v_scale"))
+    fp8 = _fp8_scales(k_cache, k_scale, v_scale)
 
     chosen = resolve_backend(backend, q, k_cache)
     counts = _run_backend(
