@@ -222,7 +222,8 @@ def call_commands(manifest: dict, calls: list[list], engine_args: str = "") -> l
         out.append({"call": i + 1, "carry": carry, "command": cmd, "timeout_s": 120 if i < len(calls) - 1 else 420,
                     "carry_bytes": sum(p["size"] for p in manifest["parts"] if p["name"] in names)})
     engine = ("set -o pipefail; export PYTHONUNBUFFERED=1; python3 -c 'import vllm' && python3 "
-              f"scripts/gpu_engine_check.py --out $OUT/engine {engine_args}".rstrip() + " 2>&1 | tee $OUT/engine.log")
+              f"scripts/gpu_engine_check.py --out /tmp/engine {engine_args}".rstrip() + " 2>&1 | tee $OUT/engine.log;"
+              " rc=$?; cp /tmp/engine/engine_check.json /tmp/engine/server_*.log $OUT/; exit $rc")  # 4 files back
     out.append({"call": len(calls) + 1, "carry": [], "command": engine, "timeout_s": 540, "carry_bytes": 0})
     return out
 
