@@ -607,15 +607,16 @@ def find_python(version: str) -> str | None:
 
 def torch_stand_ins(pre: list[Preinstalled]) -> tuple[list[str], list[str]]:
     """The rehearsal's stand-in for torch 2.11.0+cu130 and its pinned CUDA libraries (importable without a GPU):
-    (specs, notes). This machine's PyPI lacks nvidia-nccl-cu13==2.28.9 (torch 2.11.0's pin), so 2.27.7 (same
-    libnccl.so.2) stands in for it and is relabelled 2.28.9 afterwards, rehearsal only."""
+    (specs, notes). This machine's PyPI lacks nvidia-nccl-cu13==2.28.9 (torch 2.11.0's pin), so 2.32.6 (same
+    libnccl.so.2; 2.27.7 lacks symbols torch 2.11.0 links, ncclDevCommDestroy) stands in for it and is relabelled
+    2.28.9 afterwards, rehearsal only."""
     specs = ["cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.2"]
     notes = []
     for p in pre:
         if p.name.startswith("nvidia-") and p.known:
             if p.name == "nvidia-nccl-cu13" and p.version == "2.28.9":
-                specs.append("nvidia-nccl-cu13==2.27.7")
-                notes.append("nvidia-nccl-cu13 2.28.9 is not on this PyPI: 2.27.7 installed and relabelled 2.28.9")
+                specs.append("nvidia-nccl-cu13==2.32.6")
+                notes.append("nvidia-nccl-cu13 2.28.9 is not on this PyPI: 2.32.6 installed and relabelled 2.28.9")
             else:
                 specs.append(f"{p.name}=={p.version}")
     return specs, notes
@@ -639,7 +640,7 @@ def install_stand_ins(python: str, pre: list[Preinstalled]) -> list[str]:
     cuda, notes = torch_stand_ins(pre)
     subprocess.run(pip + ["--no-deps", *cuda], check=True)
     if any("relabelled" in n for n in notes):
-        relabel(python, "nvidia-nccl-cu13", "2.27.7", "2.28.9")
+        relabel(python, "nvidia-nccl-cu13", "2.32.6", "2.28.9")
     rest = [f"{p.name}=={p.version}" if p.known else p.name for p in pre  # assumed: whatever fits the known ones
             if p.name != "torch" and not p.name.startswith("nvidia-") and p.name != "cuda-toolkit"]
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as pins:
