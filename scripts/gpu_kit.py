@@ -746,7 +746,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the device calls")
     p.add_argument("--kit", default=".kit")
     p.add_argument("--call-mib", type=float, default=CALL_MIB)
-    p.add_argument("--engine-args", default="", help="extra arguments of gpu_engine_check.py in the last call")
+    p.add_argument("--engine-args", default="--attention-backend FLASH_ATTN",
+                   help="arguments of gpu_engine_check.py in the last call (default: vLLM's FlashAttention backend, "
+                        "since FlashInfer without its cubin package would JIT-build its kernels first)")
     h = sub.add_parser("rehearse", help="the whole install on this CPU machine, in a clean venv")
     h.add_argument("--kit", default=".kit")
     h.add_argument("--python", help="interpreter of the kit's Python version (default: found)")
