@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import importlib
 import importlib.util
@@ -65,6 +66,11 @@ LOCALITY_AMP = 4.0  # and a RoPE-like recency term, LOCALITY_AMP at distance 0, 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # A dense output matches SDPA dense when |out - ref| <= atol + rtol * |ref| everywhere (outputs are O(1)).
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3), torch.float32: (2e-4, 1e-4)}
+# FP8 KV caches (--kv-cache-dtype, vLLM's names): bytes quantized from the model-dtype cache with saturation (as vLLM's
+# CUDA cache writer stores them), read with k_scale = v_scale = FP8_SCALE (vLLM's default without checkpoint scales).
+FP8_CACHES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_TAGS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+FP8_SCALE = 1.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,6 +127,11 @@ def default_shapes(device: str, quick: bool) -> dict:
     if quick:
         return {"prefill": [1024], "decode": [(2, 4096)], "heads": (4, 2, 64), "pages": [16]}
     return {"prefill": [1024, 2048], "decode": [(1, 8192), (4, 4096)], "heads": (8, 2, 64), "pages": [16, 64]}
+
+
+def first_page_size(args) -> int:
+    """The page size every shape uses (--page-sizes' first, else the default's)."""
+    return (_ints(args.page_sizes) if args.page_sizes else default_shapes(args.device, args.quick)["pages"])[0]
 
 
 def build_shapes(args) -> list[Shape]:
@@ -405,16 +416,19 @@ def sdpa_backends(device: str, fallback: bool = False) -> list[tuple[str, object
 
 
 def sdpa(inp: Inputs, backend, gqa_mode: str) -> torch.Tensor:
+    k, v = (inp.k_dense, inp.v_dense) if gqa_mode == "native" else inp.expanded_kv()
+    return sdpa_call(inp.q_sdpa, k, v, inp.scale, inp.shape.phase == "prefill", backend)
+
+
+def sdpa_call(q, k, v, scale: float, causal: bool, backend) -> torch.Tensor:
+    """SDPA on [B, H, L, D] tensors with one backend; K/V with fewer heads than q take native GQA. Causal is used for
+    prefill only, where q_len == kv_len, so top-left == bottom-right alignment."""
     from torch.nn.attention import sdpa_kernel
 
-    causal = inp.shape.phase == "prefill"  # q_len == kv_len there, so top-left == bottom-right alignment
     with sdpa_kernel([backend]):
-        if gqa_mode == "native":
-            return F.scaled_dot_product_attention(
-                inp.q_sdpa, inp.k_dense, inp.v_dense, is_causal=causal, scale=inp.scale, enable_gqa=True
-            )
-        k, v = inp.expanded_kv()
-        return F.scaled_dot_product_attention(inp.q_sdpa, k, v, is_causal=causal, scale=inp.scale)
+        if k.shape[1] != q.shape[1]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 class ModelOptBaseline:
@@ -581,6 +595,108 @@ def our_triton_module():
 
 
 # ----------------------------------------------------------------------------------------------------
+# FP8 KV caches
+# ----------------------------------------------------------------------------------------------------
+def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype, scale: float = FP8_SCALE) -> torch.Tensor:
+    """x / scale saturated to the format's range (±448 e4m3, ±57344 e5m2) and rounded to nearest, as vLLM's CUDA
+    cache writer stores FP8 bytes; in chunks of the first dimension, so a large cache needs no float32 copy."""
+    fmax = torch.finfo(fp8_dtype).max
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    step = max(1, (1 << 27) // max(1, x[0].numel())) if x.dim() else 1
+    for i in range(0, x.shape[0], step):
+        out[i : i + step] = (x[i : i + step].float() / scale).clamp_(-fmax, fmax).to(fp8_dtype)
+    return out
+
+
+def fp8_inputs(inp: Inputs, fp8_dtype: torch.dtype) -> Inputs:
+    """The same case on an FP8 cache: a shallow copy sharing queries, metadata and the dense tensors, with its own
+    quantized paged cache (the plugin's [num_blocks, page, Hkv, D] K and V views of it)."""
+    c = copy.copy(inp)
+    c.kv_cache = quantize_fp8(inp.kv_cache, fp8_dtype)
+    c.k_cache, c.v_cache = c.kv_cache[:, 0], c.kv_cache[:, 1]
+    c._expanded = None
+    return c
+
+
+def fp8_reference(inp: Inputs, fp8_dtype: torch.dtype, backend, gqa_mode: str) -> torch.Tensor:
+    """Dense SDPA (`backend`, GQA native or expanded) on the values an FP8 cache holds (the dense K/V quantized as the
+    cache and read back in q's dtype, exactly), one sequence at a time to bound memory; [B * q_len, Hq, D] like our
+    output."""
+    s = inp.shape
+    out = torch.empty_like(inp.q)
+    group = 1 if gqa_mode == "native" else s.hq // s.hkv
+    for b in range(s.batch):
+        k, v = (quantize_fp8(x[b : b + 1], fp8_dtype).to(inp.q.dtype).mul_(FP8_SCALE).repeat_interleave(group, dim=1)
+                for x in (inp.k_dense, inp.v_dense))  # fmt: skip
+        o = sdpa_call(inp.q_sdpa[b : b + 1], k, v, inp.scale, s.phase == "prefill", backend)
+        out[b * s.q_len : (b + 1) * s.q_len] = o.transpose(1, 2).reshape(-1, s.hq, s.head_dim)
+    return out
+
+
+class FlashInferFP8:
+    """FlashInfer's paged decode / prefill wrappers reading the same FP8 cache densely (the dense baseline on an FP8
+    cache without vLLM), or the reason it is unavailable. Imported from the environment (the GPU check puts pure
+    wheels carried in .whl/, such as flashinfer-python, on PYTHONPATH)."""
+
+    def __init__(self, module=None, version: str | None = None, reason: str | None = None):
+        self.module, self.version, self.reason = module, version, reason
+
+    @property
+    def available(self) -> bool:
+        return self.module is not None
+
+    def describe(self) -> str:
+        if self.available:
+            return f"FP8 dense baseline: FlashInfer {self.version}"
+        return f"FP8 dense baseline: none ({self.reason})"
+
+    def prepare(self, inp: Inputs, fp8_dtype: torch.dtype):
+        """Plan once for the case (vLLM's NHD layout [num_blocks, 2, page, Hkv, D] is FlashInfer's paged layout);
+        returns run(copy) -> out for FP8 copies of the same shape."""
+        fi, s = self.module, inp.shape
+        dev, i32 = inp.q.device, torch.int32
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        pages = -(-s.kv_len // s.page_size)
+        indptr = torch.arange(s.batch + 1, dtype=i32, device=dev) * pages
+        indices = inp.block_table[:, :pages].reshape(-1).to(i32).contiguous()
+        last = torch.full((s.batch,), s.kv_len - (pages - 1) * s.page_size, dtype=i32, device=dev)
+        common = dict(q_data_type=inp.q.dtype, kv_data_type=fp8_dtype, sm_scale=inp.scale * FP8_SCALE)
+        if s.phase == "decode":  # tensor cores beyond a GQA group of 4, as vLLM's FlashInfer backend decides
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=s.hq // s.hkv > 4)
+            w.plan(indptr, indices, last, s.hq, s.hkv, s.head_dim, s.page_size, pos_encoding_mode="NONE", **common)
+        else:
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            w.plan(inp.cu_seqlens_q, indptr, indices, last, s.hq, s.hkv, s.head_dim, s.page_size, causal=True,
+                   **common)  # fmt: skip
+        out = torch.empty_like(inp.q)
+
+        def run(c: Inputs) -> torch.Tensor:
+            return w.run(c.q, c.kv_cache, k_scale=FP8_SCALE, v_scale=FP8_SCALE, out=out)
+
+        return run
+
+
+def load_flashinfer(mode: str, device: str) -> FlashInferFP8:
+    """FlashInfer for the FP8 dense baseline. mode: auto (only with prebuilt kernels, flashinfer-jit-cache: a JIT
+    build with nvcc would take minutes of the time budget), flashinfer (JIT builds allowed) or off."""
+    if mode == "off":
+        return FlashInferFP8(reason="disabled with --fp8-baseline off")
+    if device != "cuda":
+        return FlashInferFP8(reason="FlashInfer needs a CUDA device")
+    if importlib.util.find_spec("flashinfer") is None:
+        return FlashInferFP8(reason="flashinfer is not importable (no vLLM here; carry a flashinfer-python wheel "
+                                    "with flashinfer-jit-cache in .whl/)")
+    if mode == "auto" and importlib.util.find_spec("flashinfer_jit_cache") is None:
+        return FlashInferFP8(reason="flashinfer has no prebuilt kernels (flashinfer-jit-cache): it would JIT-build "
+                                    "them inside the time budget; --fp8-baseline flashinfer allows that")
+    try:
+        fi = importlib.import_module("flashinfer")
+    except Exception as exc:
+        return FlashInferFP8(reason=f"import flashinfer: {type(exc).__name__}: {str(exc)[:200]}")
+    return FlashInferFP8(fi, getattr(fi, "__version__", "unknown"))
+
+
+# ----------------------------------------------------------------------------------------------------
 # λ search
 # ----------------------------------------------------------------------------------------------------
 def _sparsity(counts: torch.Tensor) -> list[float]:
@@ -709,7 +825,7 @@ class _ShapeRun:
         self.shape, self.args, self.dtype, self.device = shape, args, dtype, args.device
         self.deadline, self.log, self.flush = deadline, log, flush
         self.recs: list[dict] = []
-        self.base = {"shape": shape.label, **asdict(shape), "dtype": args.dtype}
+        self.base = {"shape": shape.label, **asdict(shape), "dtype": args.dtype, "kv": args.dtype}
         self.n_copies = 1
         self.copies: list[Inputs] = []
         self.ref = None  # the dense SDPA output every check compares with
@@ -906,6 +1022,102 @@ def _time_modelopt(run: _ShapeRun, mo: ModelOptBaseline, cases: list[tuple]) -> 
     return mo_snaps
 
 
+def fp8_applies(shape: Shape, args) -> bool:
+    """Whether the shape gets FP8-cache rows: its phase is in --fp8-phases and its page size is the first one (the
+    other page sizes repeat a shape of each phase only for the page size's sake)."""
+    return shape.phase in args.fp8_phases and shape.page_size == first_page_size(args)
+
+
+def _fp8_copies(run: _ShapeRun, fp8_dtype: torch.dtype) -> list[Inputs]:
+    """FP8 copies of the input copies, as many as memory allows on CUDA (at least one, or none: [])."""
+    n = run.n_copies
+    if run.device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        per_copy = run.copies[0].kv_cache.numel() + 2 * run.copies[0].k_dense[0].numel() * run.dtype.itemsize
+        n = min(n, int(0.6 * free) // max(1, per_copy))
+    return [fp8_inputs(c, fp8_dtype) for c in run.copies[:n]]
+
+
+def _time_ours_fp8(run: _ShapeRun, copies8: list[Inputs], ref8, tag: str, cases: list[tuple]) -> None:
+    """Check and time our kernel on the FP8 copies at each case: the dense output against dense SDPA on the same FP8
+    values, the realized sparsity at the model-dtype cache's λ (a checkpoint calibrated on a bf16 cache serves an FP8
+    one with the same law)."""
+    backend, inp0 = run.args.backend, copies8[0]
+    scales = dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+    for variant, lam, target in cases:
+        r = run.rec(variant.replace("ours_", f"ours_{tag}_"), "ours", lam=lam, target=target, kv=tag)
+        if not run.in_budget():
+            r["error"] = "skipped: time budget"
+            continue
+        try:
+            lam_t = None if lam is None else torch.full((run.shape.batch,), lam, dtype=torch.float32,
+                                                        device=run.device)  # fmt: skip
+            if lam is None:
+                o, r["sparsity"] = ours(inp0, None, backend, **scales), 0.0
+            else:
+                o, counts = ours(inp0, lam_t, backend, return_skip_counts=True, **scales)
+                r["sparsity"] = _sparsity(counts)[0]
+            r["err_vs_dense"], ok = compare(o, ref8, run.dtype)
+            if lam is None:
+                r["check"] = ("ok" if ok else "MISMATCH") + " (vs SDPA on the FP8 values)"
+                r["err_vs_model_dtype_cache"] = max_abs_diff(o, run.ref)
+            del o
+            launch = ours_launch(inp0, lam_t, backend, **scales)
+            r.update(time_fn(lambda i, launch=launch: launch(copies8[i]), len(copies8), run.device, run.args))
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            run.log(traceback.format_exc())
+        run.flush_records()
+
+
+def _time_fp8_baseline(run: _ShapeRun, fi: FlashInferFP8, copies8: list[Inputs], ref8, tag: str) -> None:
+    """The dense baseline on the same FP8 cache (FlashInfer), checked against SDPA on the FP8 values; without one,
+    a record saying why (a baseline that differs is named in its check, not failed: it is not ours)."""
+    r = run.rec(f"flashinfer_{tag}_dense", "flashinfer", kv=tag, sparsity=0.0)
+    if not fi.available:
+        r["error"] = f"unavailable: {fi.reason}"
+        return
+    if not run.in_budget():
+        r["error"] = "skipped: time budget"
+        return
+    try:
+        fn = fi.prepare(copies8[0], copies8[0].kv_cache.dtype)
+        r["err_vs_dense"], ok = compare(fn(copies8[0]), ref8, run.dtype)
+        r["check"] = "ok" if ok else "differs from SDPA on the FP8 values"
+        r.update(time_fn(lambda i: fn(copies8[i]), len(copies8), run.device, run.args))
+    except Exception as exc:
+        r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        run.log(traceback.format_exc())
+
+
+def _time_fp8(run: _ShapeRun, fi: FlashInferFP8, cases: list[tuple], sdpa_ok: list[tuple]) -> None:
+    """FP8-cache rows of the shape (--kv-cache-dtype): ours dense and at the --fp8-sparsities targets (the λ found on
+    the model-dtype cache), then the dense FP8 baseline, per FP8 format; after every model-dtype row."""
+    wanted = {round(100 * t) for t in run.args.fp8_sparsities}
+    fp8_cases = [c for c in cases if c[0] == "ours_dense" or (c[2] and round(100 * c[2]) in wanted)]
+    _, ref_backend, gqa = sdpa_ok[0]  # the backend that made run.ref
+    for name in run.args.fp8_caches:
+        fp8_dtype = FP8_CACHES[name]
+        tag = FP8_TAGS[fp8_dtype]
+        if not run.in_budget():
+            run.rec(f"ours_{tag}_dense", "ours", kv=tag, error="skipped: time budget")
+            continue
+        t0 = time.perf_counter()
+        copies8 = _fp8_copies(run, fp8_dtype)
+        if not copies8:
+            run.rec(f"ours_{tag}_dense", "ours", kv=tag, error="skipped: no memory for an FP8 copy")
+            continue
+        ref8 = fp8_reference(run.copies[0], fp8_dtype, ref_backend, gqa)
+        _sync(run.device)
+        run.log(f"  {tag} cache: {len(copies8)} cop{'y' if len(copies8) == 1 else 'ies'}, reference "
+                f"({time.perf_counter() - t0:.1f} s)")
+        _time_ours_fp8(run, copies8, ref8, tag, fp8_cases)
+        _time_fp8_baseline(run, fi, copies8, ref8, tag)
+        del copies8, ref8
+        if run.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def _annotate(recs: list[dict], method: str, n_copies: int, ours_snaps: list, mo_snaps: list) -> None:
     """What every record of the shape shares: the λ method, the copies, and the compiled Triton variants added
     while λ took new values (after the first λ case has compiled everything)."""
@@ -925,12 +1137,13 @@ def _annotate(recs: list[dict], method: str, n_copies: int, ours_snaps: list, mo
         r.update(note)
 
 
-def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, log, flush=None) -> list[dict]:
+def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, log, flush=None,
+              fi: FlashInferFP8 | None = None) -> list[dict]:
     """All measurements of one shape; `flush(records)` is called as they come, so a kill keeps them.
 
     In order: the input copies, the dense SDPA reference (and which SDPA backends run), our dense check, the λ
-    search, then timings of SDPA, ours and ModelOpt at each λ case, until the `deadline` (later ones are recorded
-    as skipped).
+    search, then timings of SDPA, ours and ModelOpt at each λ case, then the FP8-cache rows (`fp8_applies`: ours
+    and the FP8 dense baseline `fi`), until the `deadline` (later ones are recorded as skipped).
     """
     run = _ShapeRun(shape, args, dtype, deadline, log, flush)
     if not _make_copies(run):
@@ -947,6 +1160,8 @@ def run_shape(shape: Shape, args, dtype, mo: ModelOptBaseline, deadline: float, 
     ours_snaps = _time_ours(run, cases, e_dense, dense_check)
     run.flush_records()
     mo_snaps = _time_modelopt(run, mo, cases) if mo.available else []
+    if getattr(args, "fp8_caches", None) and fp8_applies(shape, args):
+        _time_fp8(run, fi or FlashInferFP8(reason="not loaded"), cases, sdpa_ok)
     _annotate(run.recs, method, run.n_copies, ours_snaps, mo_snaps)
     recs = run.recs
     run.copies.clear()
@@ -973,7 +1188,8 @@ def _bound(shape_label: str, lam, sparsity) -> float | None:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per (shape, λ case): our time vs our dense, SDPA dense and ModelOpt at the same λ."""
+    """One row per (shape, cache, λ case): our time vs our dense on the same cache, SDPA dense, ModelOpt at the same
+    λ; FP8-cache rows (case "e4m3 s50", ...) also vs ours on the model-dtype cache and the dense FP8 baseline."""
     rows = []
     shapes = list(dict.fromkeys(r["shape"] for r in records))
     for sh in shapes:
@@ -983,41 +1199,65 @@ def summarize(records: list[dict]) -> list[dict]:
         best = min(sdpa_rs, key=lambda r: r["ms"]) if sdpa_rs else None
         if not any(r["impl"] == "ours" for r in rs):  # the whole shape failed, was not reached or was cut short
             errs = "; ".join(dict.fromkeys(str(r.get("error") or "") for r in rs if r.get("error")))
-            rows.append({"shape": sh, "dtype": rs[0].get("dtype"), "case": "-", "lam": None, "sparsity": None,
+            rows.append({"shape": sh, "dtype": rs[0].get("dtype"), "kv": rs[0].get("kv", rs[0].get("dtype")),
+                         "case": "-", "lam": None, "sparsity": None,
                          "ours_ms": None, "ours_dense_ms": None, "sdpa_ms": best["ms"] if best else None,
                          "sdpa_backend": best["variant"] if best else None,
                          "modelopt_ms": None, "modelopt_sparsity": None, "speedup_vs_own_dense": None,
                          "speedup_vs_sdpa": None, "speedup_vs_modelopt": None, "bound": None, "check": "",
                          "error": errs or "incomplete (cut short)"})
             continue
-        own_dense = by.get("ours_dense", {}).get("ms")
-        for r in rs:
-            if r["impl"] != "ours":
-                continue
-            mo_r = by.get(r["variant"].replace("ours", "modelopt"), {})
-            s = r["sparsity"]
-            ms = r["ms"]
-            rows.append({
-                "shape": sh,
-                "dtype": r["dtype"],
-                "case": r["variant"].replace("ours_", ""),
-                "lam": r["lam"],
-                "sparsity": s,
-                "ours_ms": ms,
-                "ours_dense_ms": own_dense,
-                "sdpa_ms": best["ms"] if best else None,
-                "sdpa_backend": best["variant"] if best else None,
-                "modelopt_ms": mo_r.get("ms"),
-                "modelopt_sparsity": mo_r.get("sparsity"),
-                "speedup_vs_own_dense": own_dense / ms if ms and own_dense else None,
-                "speedup_vs_sdpa": best["ms"] / ms if ms and best else None,
-                "speedup_vs_modelopt": mo_r["ms"] / ms if ms and mo_r.get("ms") else None,
-                "program_share": _program_share(sh, r["lam"]),
-                "bound": _bound(sh, r["lam"], s),
-                "check": r["check"],
-                "error": r["error"] or mo_r.get("error", ""),
-            })
+        rows += [_summary_row(sh, r, by, best) for r in rs if r["impl"] == "ours"]
     return rows
+
+
+def _summary_row(sh: str, r: dict, by: dict, best: dict | None) -> dict:
+    """The summary row of one of our records; `by`: the shape's records by variant, `best`: its fastest SDPA."""
+    kv = r.get("kv") or r["dtype"]
+    fp8 = kv != r["dtype"]
+    prefix = f"ours_{kv}_" if fp8 else "ours_"
+    case = r["variant"].replace(prefix, "")
+    own_dense = by.get(f"{prefix}dense", {}).get("ms")
+    mo_r = {} if fp8 else by.get(r["variant"].replace("ours", "modelopt"), {})
+    s, ms = r["sparsity"], r["ms"]
+    row = {
+        "shape": sh,
+        "dtype": r["dtype"],
+        "kv": kv,
+        "case": f"{kv} {case}" if fp8 else case,
+        "lam": r["lam"],
+        "sparsity": s,
+        "ours_ms": ms,
+        "ours_dense_ms": own_dense,
+        "sdpa_ms": best["ms"] if best else None,
+        "sdpa_backend": best["variant"] if best else None,
+        "modelopt_ms": mo_r.get("ms"),
+        "modelopt_sparsity": mo_r.get("sparsity"),
+        "speedup_vs_own_dense": own_dense / ms if ms and own_dense else None,
+        "speedup_vs_sdpa": best["ms"] / ms if ms and best else None,
+        "speedup_vs_modelopt": mo_r["ms"] / ms if ms and mo_r.get("ms") else None,
+        "program_share": _program_share(sh, r["lam"]),
+        "bound": _bound(sh, r["lam"], s),
+        "check": r["check"],
+        "error": r["error"] or mo_r.get("error", ""),
+    }
+    if fp8:  # vs ours on the model-dtype cache at the same case, and the dense baseline on the same FP8 cache
+        model_ms = by.get(f"ours_{case}", {}).get("ms")
+        base = by.get(f"flashinfer_{kv}_dense", {})
+        row.update(model_cache_ms=model_ms, speedup_vs_model_cache=model_ms / ms if ms and model_ms else None,
+                   fp8_base="flashinfer" if base.get("ms") else None, fp8_base_ms=base.get("ms"),
+                   speedup_vs_fp8_base=base["ms"] / ms if ms and base.get("ms") else None,
+                   fp8_base_note=_fp8_base_note(base))  # fmt: skip
+    return row
+
+
+def _fp8_base_note(base: dict) -> str:
+    """What the FP8 rows say about their dense baseline: its check, or why there is none."""
+    if not base:
+        return "FP8 dense baseline: none (not run)"
+    if base.get("error"):
+        return f"FP8 dense baseline: none ({base['error']})"
+    return f"FP8 dense baseline: FlashInfer ({base.get('check') or 'unchecked'})"
 
 
 def _f(x, fmt: str) -> str:
@@ -1040,19 +1280,22 @@ def variant_lines(records: list[dict]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'shape':<44} {'dt':<5} {'case':<6} {'λ':>9} {'s':>6} {'ours ms':>9} {'dense ms':>9} "
+    """The benchmark's table: FP8-cache rows ("e4m3 s50") after the model-dtype rows, with x auto (ours on the
+    model-dtype cache at the same case / ours on FP8), FP8b ms and x FP8b (the dense baseline on that FP8 cache)."""
+    head = (f"{'shape':<44} {'dt':<5} {'case':<10} {'λ':>9} {'s':>6} {'ours ms':>9} {'dense ms':>9} "
             f"{'SDPA ms':>9} {'MO ms':>9} {'MO s':>6} {'x own':>6} {'x SDPA':>6} {'x MO':>6} {'prog s':>6} "
-            f"{'2/(2-s)':>7}  note")
+            f"{'2/(2-s)':>7} {'x auto':>6} {'FP8b ms':>9} {'x FP8b':>6}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        note = r["error"] or r["check"]
+        note = "; ".join(x for x in (r["error"] or r["check"], r.get("fp8_base_note")) if x)
         lines.append(
-            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<6} {_f(r['lam'], '9.2e')} {_f(r['sparsity'], '6.3f')} "
+            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<10} {_f(r['lam'], '9.2e')} {_f(r['sparsity'], '6.3f')} "
             f"{_f(r['ours_ms'], '9.3f')} {_f(r['ours_dense_ms'], '9.3f')} {_f(r['sdpa_ms'], '9.3f')} "
             f"{_f(r['modelopt_ms'], '9.3f')} {_f(r['modelopt_sparsity'], '6.3f')} "
             f"{_f(r['speedup_vs_own_dense'], '6.2f')} {_f(r['speedup_vs_sdpa'], '6.2f')} "
             f"{_f(r['speedup_vs_modelopt'], '6.2f')} {_f(r.get('program_share'), '6.3f')} "
-            f"{_f(r['bound'], '7.2f')}  {note}"
+            f"{_f(r['bound'], '7.2f')} {_f(r.get('speedup_vs_model_cache'), '6.2f')} "
+            f"{_f(r.get('fp8_base_ms'), '9.3f')} {_f(r.get('speedup_vs_fp8_base'), '6.2f')}  {note}"
         )
     return "\n".join(lines)
 
@@ -1130,7 +1373,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inputs", default=None, help="captured attention inputs (benchmarks/attention_inputs.py; "
                    "default: the capture in .cache/attention_inputs/)")
     p.add_argument("--synthetic", action="store_true", help="the synthetic structured inputs instead of a capture")
+    _add_fp8_args(p)
     args = p.parse_args(argv)
+    _check_fp8_args(p, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False (use --device cpu)")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
@@ -1146,6 +1391,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.max_iters = args.max_iters or 10
         args.target_seconds = args.target_seconds or (0.2 if args.quick else 1.0)
     return args
+
+
+def _add_fp8_args(p: argparse.ArgumentParser) -> None:
+    """The FP8-cache rows' options (issues #66, #68)."""
+    p.add_argument("--kv-cache-dtype", default="auto,fp8",
+                   help="comma list of KV caches (vLLM's names): auto (the model dtype, --dtype: always measured, the "
+                        "FP8 rows reuse its λ), fp8 / fp8_e4m3 (e4m3), fp8_e5m2. FP8 bytes are the cache quantized "
+                        "with saturation, scales 1.0. Default auto,fp8: e4m3 rows after each --fp8-phases shape's "
+                        "model-dtype rows, on the first page size only")
+    p.add_argument("--fp8-phases", default="decode",
+                   help="phases whose shapes get FP8 rows (default decode). Why not prefill by default: the GPU "
+                        "check gives the benchmark what its 540 s leave (2026-12-04 H200: 266 s, and its time budget "
+                        "already cut the last case); FP8 decode rows cost ~1-2 s a shape plus ~10 s of FP8 kernel "
+                        "compiles, FP8 prefill rows ~40-50 s more (128k alone ~12 s, compiles ~20 s) and would cut "
+                        "the page-size-64 shapes at the end. 'prefill,decode' measures both")
+    p.add_argument("--fp8-sparsities", default="0.5,0.7",
+                   help="targets (of --sparsities) measured on the FP8 cache, at the λ found on the model-dtype cache "
+                        "(a checkpoint calibrated on bf16 serves FP8 with the same law); ours dense always")
+    p.add_argument("--fp8-baseline", choices=("auto", "flashinfer", "off"), default="auto",
+                   help="dense baseline on the same FP8 cache: FlashInfer's paged decode / prefill (no vLLM needed). "
+                        "auto: only when importable with prebuilt kernels (flashinfer-jit-cache); flashinfer: also "
+                        "when it must JIT-build them (minutes); a row says why there is none")
+
+
+def _check_fp8_args(p: argparse.ArgumentParser, args) -> None:
+    names = [x.strip() for x in args.kv_cache_dtype.split(",") if x.strip()]
+    bad = [n for n in names if n != "auto" and n not in FP8_CACHES]
+    if bad:
+        p.error(f"--kv-cache-dtype: unknown {bad} (auto, {', '.join(FP8_CACHES)})")
+    formats = {FP8_CACHES[n] for n in names if n != "auto"}
+    args.fp8_caches = [n for n in ("fp8", "fp8_e5m2") if FP8_CACHES[n] in formats]  # one name per format
+    args.fp8_phases = [x.strip() for x in args.fp8_phases.split(",") if x.strip()]
+    args.fp8_sparsities = _floats(args.fp8_sparsities)
 
 
 def _load_inputs(args, meta: dict, log) -> bool:
@@ -1169,9 +1447,11 @@ def _load_inputs(args, meta: dict, log) -> bool:
     return True
 
 
-def _run_shapes(shapes: list[Shape], args, dtype, mo: ModelOptBaseline, deadline: float, meta: dict, out, log):
+def _run_shapes(shapes: list[Shape], args, dtype, baselines: tuple, deadline: float, meta: dict, out, log):
     """(records, exit status) of every shape in turn, writing the outputs after each (and as records come); a
-    shape that raises, or a MISMATCH / ERROR check, makes the status 1; past the deadline shapes are skipped."""
+    shape that raises, or a MISMATCH / ERROR check, makes the status 1; past the deadline shapes are skipped.
+    `baselines`: (ModelOptBaseline, FlashInferFP8)."""
+    mo, fi = baselines
     records: list[dict] = []
     status = 0
     for n, shape in enumerate(shapes):
@@ -1187,7 +1467,7 @@ def _run_shapes(shapes: list[Shape], args, dtype, mo: ModelOptBaseline, deadline
                 if out:
                     write_outputs(out, meta, done + partial, summarize(done + partial))
 
-            recs = run_shape(shape, args, dtype, mo, deadline, log, flush)
+            recs = run_shape(shape, args, dtype, mo, deadline, log, flush, fi=fi)
         except Exception as exc:
             status = 1
             recs = [{"shape": shape.label, **asdict(shape), "dtype": args.dtype, "variant": "all", "impl": "-",
@@ -1219,10 +1499,16 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     mo = load_modelopt(args.modelopt, args.modelopt_wheels, args.modelopt_path, args.device)
+    fi = load_flashinfer(args.fp8_baseline, args.device) if args.fp8_caches else FlashInferFP8(reason="no FP8 rows")
     meta = environment(args, mo)
+    meta["kv_cache_dtypes"] = ["auto", *args.fp8_caches]
+    meta["fp8_baseline"] = fi.describe()
     log(f"bench_kernels: {meta.get('gpu', 'cpu')} torch {meta['torch']} triton {meta['triton']} "
         f"dtype {args.dtype} ours backend={args.backend}")
     log(mo.describe())
+    if args.fp8_caches:
+        log(f"FP8 caches: {', '.join(args.fp8_caches)} on {'/'.join(args.fp8_phases)} shapes (page "
+            f"{first_page_size(args)}), targets {args.fp8_sparsities}; {fi.describe()}")
     if args.device == "cuda" and mo.available:
         log("  (ModelOpt: one scalar λ per launch, compiled in as a constant; decode uses the same kernel, "
             "no split-K with skipping)")
@@ -1230,7 +1516,7 @@ def main(argv=None) -> int:
         return 2
     shapes = build_shapes(args)
     log(f"shapes: {len(shapes)}; targets: {args.sparsities}; budget: {args.time_budget or 'none'} s")
-    records, status = _run_shapes(shapes, args, dtype, mo, deadline, meta, out, log)
+    records, status = _run_shapes(shapes, args, dtype, (mo, fi), deadline, meta, out, log)
     rows = summarize(records)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     table = format_table(rows)
@@ -1241,7 +1527,10 @@ def main(argv=None) -> int:
     log("x own: vs our dense (λ=None); x SDPA: vs the fastest dense SDPA backend; x MO: vs ModelOpt 0.47 at the "
         "same λ; 2/(2-s): ideal bound for skipping exp + P·V with s the share of (program, key tile) pairs the "
         "programs can skip (prefill: blocks of 64 rows, 128 for D > 64, of one head; decode: a GQA group), "
-        "measured on the inputs (benchmarks/coherence.py), not the realized row-tile sparsity.")
+        "measured on the inputs (benchmarks/coherence.py), not the realized row-tile sparsity. FP8 rows (case "
+        "'e4m3 ...': the cache quantized with saturation, scales 1.0, the model-dtype cache's λ): x own vs our dense "
+        "on the same FP8 cache; x auto: ours on the model-dtype cache at the same case / ours on FP8; FP8b: the dense "
+        "baseline on the same FP8 cache (FlashInfer), x FP8b its time / ours.")
     if out:
         write_outputs(out, meta, records, rows)
         log(f"results: {out / 'results.json'}")
