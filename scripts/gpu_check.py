@@ -25,7 +25,10 @@ a phase that times out is killed and the next one still runs, and every phase wr
                    plugin uses);
                    tune_d64.log, tune_d64/: the same for D = 64 prefill (its default has not run on a GPU yet)
 6. benchmark    -> bench.log, bench/results.json|csv, bench/summary.csv, bench/table.txt (on the captured real
-                   attention in .cache/attention_inputs/, which must be carried along: checked before anything runs)
+                   attention in .cache/attention_inputs/, which must be carried along: checked before anything runs);
+                   after each decode shape's bf16 rows, its FP8 (e4m3) cache rows: ours dense and at 0.5 / 0.7 (the
+                   bf16 λ), and FlashInfer's dense FP8 decode where it is importable with prebuilt kernels
+                   (bench_kernels.py --kv-cache-dtype / --fp8-phases / --fp8-baseline; issues #66, #68)
 7. summary      -> summary.txt, summary.json (printed last)
 
 First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an H200"). What a GPU must confirm
@@ -35,6 +38,10 @@ First run on an H200: 2026-12-04 (docs/benchmarks.md, "The Triton kernels on an 
   `prefill_split_causal` and the `exp` skip mode (16k: 7.0 ms dense, 7.6 at s=0.7). Open: sparse prefill is not
   faster than our dense; the tune table shows whether a launch or skip mode changes that ("counts equal" must hold),
   first of all `prefetch` (V loaded a tile ahead, exp and P·V skipped by a branch; not measured yet).
+- FP8 KV caches (issues #66, #68): the Triton kernels read e4m3 / e5m2 caches (the tile converted after its load), never
+  timed on a GPU yet. The FP8 rows must check "ok" against SDPA on the FP8 values; what to read: x auto (our e4m3
+  decode against our bf16 decode at the same case; half the bytes, so up to 2x where decode is read-bound) and x FP8b
+  (against FlashInfer's dense FP8 decode, where its wheel travels with its prebuilt kernels).
 """
 
 from __future__ import annotations
@@ -284,18 +291,23 @@ def _f(x, fmt: str) -> str:
 
 
 def summary_table(rows: list[dict]) -> str:
-    head = (f"{'shape':<44} {'dtype':<5} {'case':<6} {'sparsity':>8} {'ours ms':>9} {'SDPA ms':>9} {'MO ms':>9} "
-            f"{'x SDPA':>6} {'x own':>6} {'x MO':>6} {'2/(2-s)':>7}  note")
+    """The benchmark's rows: the model-dtype cache's, then each shape's FP8-cache rows (case "e4m3 dense", "e4m3 s50":
+    x own vs our dense on that FP8 cache, x auto vs ours on the model-dtype cache at the same case, FP8b ms / x FP8b
+    the dense baseline on the same FP8 cache, or the note says why there is none)."""
+    head = (f"{'shape':<44} {'dtype':<5} {'case':<10} {'sparsity':>8} {'ours ms':>9} {'SDPA ms':>9} {'MO ms':>9} "
+            f"{'x SDPA':>6} {'x own':>6} {'x MO':>6} {'2/(2-s)':>7} {'x auto':>6} {'FP8b ms':>9} {'x FP8b':>6}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        note = r.get("error") or r.get("check") or ""
+        note = "; ".join(x for x in (r.get("error") or r.get("check") or "", r.get("fp8_base_note") or "") if x)
         if r.get("sdpa_backend"):
             note = f"[{r['sdpa_backend']}] {note}".strip()
         lines.append(
-            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<6} {_f(r['sparsity'], '8.3f')} {_f(r['ours_ms'], '9.3f')} "
-            f"{_f(r['sdpa_ms'], '9.3f')} {_f(r['modelopt_ms'], '9.3f')} {_f(r['speedup_vs_sdpa'], '6.2f')} "
-            f"{_f(r['speedup_vs_own_dense'], '6.2f')} {_f(r['speedup_vs_modelopt'], '6.2f')} "
-            f"{_f(r['bound'], '7.2f')}  {note}"
+            f"{r['shape']:<44} {r['dtype']:<5} {r['case']:<10} {_f(r['sparsity'], '8.3f')} "
+            f"{_f(r['ours_ms'], '9.3f')} {_f(r['sdpa_ms'], '9.3f')} {_f(r['modelopt_ms'], '9.3f')} "
+            f"{_f(r['speedup_vs_sdpa'], '6.2f')} {_f(r['speedup_vs_own_dense'], '6.2f')} "
+            f"{_f(r['speedup_vs_modelopt'], '6.2f')} {_f(r['bound'], '7.2f')} "
+            f"{_f(r.get('speedup_vs_model_cache'), '6.2f')} {_f(r.get('fp8_base_ms'), '9.3f')} "
+            f"{_f(r.get('speedup_vs_fp8_base'), '6.2f')}  {note}"
         )
     return "\n".join(lines)
 
@@ -464,7 +476,10 @@ def write_summary(runner: Runner, args: argparse.Namespace, out: Path, bench_out
         if table_txt.is_file() else []
     lines += ["", summary_table(rows) if rows else "(no benchmark rows)", *variants, "",
               "x SDPA: vs the fastest dense SDPA backend (named in the note); x own: vs our dense kernel (λ=None); "
-              "x MO: vs ModelOpt 0.47 at the same λ; 2/(2-s): ideal bound at realized tile sparsity s.",
+              "x MO: vs ModelOpt 0.47 at the same λ; 2/(2-s): ideal bound at realized tile sparsity s. FP8 rows "
+              "(case 'e4m3 ...', the model-dtype cache's λ): x own vs our dense on that FP8 cache; x auto: ours on "
+              "the model-dtype cache / ours on FP8; FP8b: the dense baseline on the same FP8 cache, x FP8b its time "
+              "/ ours.",
               f"total {time.monotonic() - runner.t0:.0f} s; logs in {out}"]
     text = "\n".join(lines)
     (out / "summary.txt").write_text(text + "\n", encoding="utf-8")
@@ -508,6 +523,10 @@ def _benchmark_summary(runner: Runner, bench_out: Path) -> tuple[list[str], list
         ph = runner.phases["benchmark"]
         lines.append(f"benchmark: {ph['status']} ({ph.get('elapsed_s', '-')} s), {len(rows)} rows; "
                      f"{meta.get('modelopt', 'ModelOpt baseline: unknown (no results)')}")
+        fp8 = [c for c in meta.get("kv_cache_dtypes", []) if c != "auto"]
+        if fp8:
+            n_fp8 = sum(1 for r in rows if r.get("kv") not in (None, r.get("dtype")))
+            lines.append(f"  FP8 caches {', '.join(fp8)}: {n_fp8} rows; {meta.get('fp8_baseline', '')}")
         skipped = sorted({r["shape"] for r in data.get("records", []) if "time budget" in str(r.get("error"))})
         if skipped:
             lines.append(f"  not (fully) reached in the time budget: {', '.join(skipped)}")
