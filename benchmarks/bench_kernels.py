@@ -655,7 +655,7 @@ class FlashInferFP8:
         returns run(copy) -> out for FP8 copies of the same shape."""
         fi, s = self.module, inp.shape
         dev, i32 = inp.q.device, torch.int32
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # vLLM's FlashInfer workspace size
         pages = -(-s.kv_len // s.page_size)
         indptr = torch.arange(s.batch + 1, dtype=i32, device=dev) * pages
         indices = inp.block_table[:, :pages].reshape(-1).to(i32).contiguous()
