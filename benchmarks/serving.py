@@ -235,34 +235,38 @@ def _sparsity_note(record: dict) -> str:
     return f", realized {', '.join(parts)}" if parts else ""
 
 
+def _series_key(row: dict) -> str:
+    return row["server"] if row["target"] is None else f"sparse @ {row['target']:g}"
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    """TTFT, TPOT and output throughput against concurrency, one row of panels per set, dense beside sparse."""
+    """TTFT, TPOT and output throughput against concurrency, one row of panels per set, dense beside sparse (one
+    color per server row in every panel, whatever order the runs had)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sets = list(dict.fromkeys(r["set"] for r in rows))
+    targets = sorted({r["target"] for r in rows if r["target"] is not None})
+    colors = {"dense": "tab:gray", **{f"sparse @ {t:g}": f"C{i}" for i, t in enumerate(targets)}}
     metrics = (("mean_ttft_ms", "TTFT mean (ms)"), ("mean_tpot_ms", "TPOT mean (ms)"),
                ("output_throughput", "output throughput (tok/s)"))  # fmt: skip
     fig, axes = plt.subplots(len(sets), 3, figsize=(13, 3.2 * len(sets)), squeeze=False)
     for i, name in enumerate(sets):
-        series = {}
-        for r in rows:
-            if r["set"] == name:
-                key = r["server"] if r["target"] is None else f"sparse @ {r['target']:g}"
-                series.setdefault(key, []).append(r)
         for j, (field, label) in enumerate(metrics):
             ax = axes[i][j]
-            for key, rs in series.items():
-                rs = sorted(rs, key=lambda r: r["concurrency"])
-                ax.plot([r["concurrency"] for r in rs], [r[field] for r in rs], marker="o", label=key,
-                        color="tab:gray" if key == "dense" else None)  # fmt: skip
+            for key, color in colors.items():
+                rs = sorted((r for r in rows if r["set"] == name and _series_key(r) == key),
+                            key=lambda r: r["concurrency"])  # fmt: skip
+                if rs:
+                    ax.plot([r["concurrency"] for r in rs], [r[field] for r in rs], marker="o", label=key,
+                            color=color)  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_xlabel("max concurrency")
             ax.set_title(f"set {name}: {label}", fontsize=9)
             ax.grid(alpha=0.3)
-            if i == 0 and j == 0:
+            if j == 0:
                 ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
