@@ -6,4 +6,5 @@ imports no vLLM: a mistake in the arguments is one line on stderr, before vLLM p
     arguments.py       the calibrate command's parser (vLLM's engine arguments plus its own) and its checks
     engine_control.py  signals, engine shutdown and leftover processes, a private temporary folder, held stderr
     engine_setup.py    what both commands check and set before an engine starts (context length, TP, CPU binding)
+    serving_bench.py   the serving benchmark's two servers and vLLM's own `bench serve` runs (benchmarks/serving.py)
 """
