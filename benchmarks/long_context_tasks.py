@@ -60,6 +60,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (
     server_env,
     sparse_metrics,
     tile_counts,
+    tiles_between,
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.request_keys import PHASE_TARGET_KEYS, TARGET_KEY
 
@@ -242,15 +243,6 @@ def ask(base: str, name: str, p: tg.TaskPrompt, mode: str, timeout: float, use_c
     }
 
 
-def _delta(after: dict, before: dict) -> dict:
-    out = {}
-    for phase in ("prefill", "decode"):
-        visited = after[phase][0] - before[phase][0]
-        skipped = after[phase][1] - before[phase][1]
-        out[phase] = {"visited": visited, "skipped": skipped, "sparsity": skipped / visited if visited else None}
-    return out
-
-
 def run_cells(base: str, name: str, prompts: dict, modes: list[str], args) -> dict:
     """{mode: {task: {length: cell}}}: every cell's replies, score and realized sparsity (counters read around
     it)."""
@@ -265,7 +257,7 @@ def run_cells(base: str, name: str, prompts: dict, modes: list[str], args) -> di
             with concurrent.futures.ThreadPoolExecutor(max_workers=args.concurrency) as pool:
                 rows = list(pool.map(lambda p, m=mode: ask(base, name, p, m, args.request_timeout, args.chat),
                                      cell_prompts))  # fmt: skip
-            realized = _delta(sparse_counters(base), before)
+            realized = tiles_between(before, sparse_counters(base))
             done += len(rows)
             n = len(rows)
             cell = {"n": n, "score": sum(r["score"] for r in rows) / n, "items": sum(r["items"] for r in rows) / n,

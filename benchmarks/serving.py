@@ -49,6 +49,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (  #
     server_env,
     sparse_metrics,
     tile_counts,
+    tiles_between,
 )
 from modelopt_ext.torch.sparsity.attention_sparsity.request_keys import TARGET_KEY  # noqa: E402
 
@@ -170,16 +171,6 @@ def non_defaults(servers: dict, fixed: dict, extra: list[str]) -> dict:
     }  # fmt: skip
 
 
-def realized(before: dict, after: dict) -> dict:
-    """Per phase, the realized sparsity of the tiles visited between two /metrics reads (None: none visited)."""
-    out = {}
-    for phase in ("prefill", "decode"):
-        visited = after[phase][0] - before[phase][0]
-        skipped = after[phase][1] - before[phase][1]
-        out[phase] = {"visited": visited, "skipped": skipped, "sparsity": skipped / visited if visited else None}
-    return out
-
-
 def run_cell(args, servers, ckpt, variants, set_name, concurrency, dataset, order, out,
              num_prompts: int | None = None) -> list[dict]:  # fmt: skip
     """One (set, concurrency) cell on every server row (reversed when `order` is odd); returns its records."""
@@ -214,7 +205,7 @@ def _one_run(run: sb.BenchRun, args, out: Path, record: dict) -> dict:
         return record
     record["seconds"] = round(time.monotonic() - t0, 1)
     if before is not None:
-        record["realized"] = realized(before, tile_counts(sparse_metrics(run.base_url)))
+        record["realized"] = tiles_between(before, tile_counts(sparse_metrics(run.base_url)))
     r = sb.summary_row(record)
     log.info("[%s c=%d] %s: TTFT %.0f ms, TPOT %.1f ms, %.2f output tok/s (%d/%d ok, %.0f s)%s", record["set"],
              run.concurrency, run.label, r["mean_ttft_ms"] or 0, r["mean_tpot_ms"] or 0, r["output_throughput"] or 0,

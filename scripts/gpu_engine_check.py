@@ -39,6 +39,7 @@ from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import (  #
     server_env,
     sparse_metrics,
     tile_counts,
+    tiles_between,
 )
 
 LOG = logging.getLogger("gpu_engine_check")
@@ -127,15 +128,6 @@ def stream_completion(base: str, prompt: str, max_tokens: int, timeout: float = 
     return {"text": "".join(text), "ttft_s": stamps[0] - start, "tpot_s": tpot, "chunks": len(stamps)}
 
 
-def realized(before: dict, after: dict) -> dict:
-    """Per phase (visited, skipped, share) between two `tile_counts` readings."""
-    out = {}
-    for phase, (visited, skipped) in after.items():
-        v, s = visited - before[phase][0], skipped - before[phase][1]
-        out[phase] = {"visited": v, "skipped": s, "sparsity": s / v if v else float("nan")}
-    return out
-
-
 def prompts_of(tokenizer, tokens: int, count: int, seed: int) -> list[str]:
     """`count` prompts of exactly about `tokens` tokens of generated text."""
     out = []
@@ -180,7 +172,7 @@ def run_mode(name: str, ckpt: Path, args, device: str, short: list[str], long: l
         long_out = [stream_completion(base, p, args.max_tokens) for p in long]
         m2 = tile_counts(sparse_metrics(base))
     return {"mode": name, "start_s": start_s, "short": short_out, "long": long_out,
-            "short_tiles": realized(m0, m1), "long_tiles": realized(m1, m2), "graph_log": graph_lines(log)}
+            "short_tiles": tiles_between(m0, m1), "long_tiles": tiles_between(m1, m2), "graph_log": graph_lines(log)}
 
 
 def median(values: list[float]) -> float:

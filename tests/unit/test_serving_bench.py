@@ -142,10 +142,12 @@ def test_results_json_table_and_png_from_vllm_result_files(serving, tmp_path):
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_realized_sparsity_is_the_difference_of_two_metrics_reads(serving):
+def test_realized_sparsity_is_the_difference_of_two_metrics_reads():
+    from modelopt_ext.torch.sparsity.attention_sparsity.cli.local_server import tiles_between
+
     before = {"prefill": (100.0, 40.0), "decode": (10.0, 0.0)}
     after = {"prefill": (300.0, 140.0), "decode": (10.0, 0.0)}
-    got = serving.realized(before, after)
+    got = tiles_between(before, after)
     assert got["prefill"]["sparsity"] == 0.5 and got["decode"]["sparsity"] is None
 
 

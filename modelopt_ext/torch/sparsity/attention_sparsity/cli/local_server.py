@@ -64,6 +64,17 @@ def tile_counts(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def tiles_between(before: dict, after: dict) -> dict:
+    """Per phase, the tiles visited and skipped between two `tile_counts` readings and their share skipped (None when
+    none was visited): the realized sparsity of what the server did in between."""
+    out = {}
+    for phase in ("prefill", "decode"):
+        visited = after[phase][0] - before[phase][0]
+        skipped = after[phase][1] - before[phase][1]
+        out[phase] = {"visited": visited, "skipped": skipped, "sparsity": skipped / visited if visited else None}
+    return out
+
+
 def stop_server(proc: subprocess.Popen, grace: float = 30.0) -> None:
     """SIGTERM the server, SIGKILL its process group if it lingers past `grace`; then SIGTERM whatever of its
     group (EngineCore, workers) outlived it. Never anything outside the group."""
