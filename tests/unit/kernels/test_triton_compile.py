@@ -148,7 +148,31 @@ PTXAS = textwrap.dedent(
     """
 )
 
-SINKS_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
+DEFAULT_KERNELS = textwrap.dedent(
+    """
+    def launch_common(mode, d):
+        \"\"\"Constexprs every kernel takes: head size d, GQA 8, page 16, contiguous head dims, one trial.\"\"\"
+        return dict(HEAD_DIM=d, BLOCK_D=d, GROUP=8, PAGE=16, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1, TRIALS_P2=1,
+                    MODE=mode, FP32_DOT=False, SOFTCAP=mode == 2, stride_qd=1, stride_od=1, stride_kd=1, stride_vd=1)
+
+    def default_kernels(mode, d):
+        \"\"\"The default prefill and decode launches on `launch_common`: (name, kernel, constexprs, options);
+        HAS_SINKS is the caller's.\"\"\"
+        cfg = tk.default_launch_config(d)
+        common = launch_common(mode, d)
+        return [
+            ("prefill", tk._prefill_kernel, dict(common, BLOCK_Q=cfg.prefill_block_q,
+                                                 V_SKIP=tk.SKIP_MODES[cfg.prefill_skip], FUSED_ACC=False,
+                                                 SPLIT_CAUSAL=cfg.prefill_split_causal),
+             dict(num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)),
+            ("decode", tk._decode_kernel, dict(common, BLOCK_G=16, NUM_HEADS=64, V_SKIP=tk.SKIP_MODES[cfg.decode_skip],
+                                               FUSED_ACC=False),
+             dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)),
+        ]
+    """
+)
+
+SINKS_SCRIPT = PREAMBLE + PTXAS + DEFAULT_KERNELS + textwrap.dedent(
     """
 
     def body(kernel):
@@ -158,20 +182,7 @@ SINKS_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
 
     # gpt-oss: 64 query heads over 8 KV heads, D = 64; and D = 128
     for dtype, mode, d in (("bf16", 1, 64), ("bf16", 2, 128), ("fp16", 0, 128), ("fp16", 1, 128)):
-        cfg = tk.default_launch_config(d)
-        common = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=8, PAGE=16, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1, TRIALS_P2=1,
-                      MODE=mode, FP32_DOT=False, SOFTCAP=mode == 2, stride_qd=1, stride_od=1, stride_kd=1,
-                      stride_vd=1)
-        kernels = (
-            ("prefill", tk._prefill_kernel, dict(common, BLOCK_Q=cfg.prefill_block_q,
-                                                 V_SKIP=tk.SKIP_MODES[cfg.prefill_skip], FUSED_ACC=False,
-                                                 SPLIT_CAUSAL=cfg.prefill_split_causal),
-             dict(num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)),
-            ("decode", tk._decode_kernel, dict(common, BLOCK_G=16, NUM_HEADS=64, V_SKIP=tk.SKIP_MODES[cfg.decode_skip],
-                                               FUSED_ACC=False),
-             dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)),
-        )
-        for name, fn, consts, options in kernels:
+        for name, fn, consts, options in default_kernels(mode, d):
             plain = build(fn, dtype, dict(consts, HAS_SINKS=False), aligned=True, **options)
             sinks = build(fn, dtype, dict(consts, HAS_SINKS=True), aligned=True, **options)
             (r0, s0), (r1, s1) = ptxas_usage(plain), ptxas_usage(sinks)
@@ -195,7 +206,7 @@ def test_sinks_variants_compile_for_sm90_without_new_spills():
         assert words[-1] == "True", line
 
 
-FP8_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
+FP8_SCRIPT = PREAMBLE + PTXAS + DEFAULT_KERNELS + textwrap.dedent(
     """
     def copies(kernel):
         \"\"\"Async copies (software-pipelined loads) in the kernel's sm_90 TTGIR.\"\"\"
@@ -204,23 +215,12 @@ FP8_SCRIPT = PREAMBLE + PTXAS + textwrap.dedent(
     # (q dtype, FP8 cache, mode, D): bf16 serving and calibration (soft-capped) at D = 128, the shapes a Llama-geometry
     # engine serves (fp16 at D = 64 and bf16 at D = 256 were screened once: see the test's docstring)
     for dtype, cache, mode, d in (("bf16", "fp8e4nv", 1, 128), ("bf16", "fp8e5", 2, 128)):
-        cfg = tk.default_launch_config(d)
-        common = dict(HEAD_DIM=d, BLOCK_D=d, GROUP=8, PAGE=16, BLOCK_K=64, SPLIT_BLOCKS=32, N_TRIALS=1, TRIALS_P2=1,
-                      MODE=mode, FP32_DOT=False, SOFTCAP=mode == 2, HAS_SINKS=False, stride_qd=1, stride_od=1,
-                      stride_kd=1, stride_vd=1)
-        kernels = [
-            ("prefill", tk._prefill_kernel, dict(common, BLOCK_Q=cfg.prefill_block_q,
-                                                 V_SKIP=tk.SKIP_MODES[cfg.prefill_skip], FUSED_ACC=False,
-                                                 SPLIT_CAUSAL=cfg.prefill_split_causal),
-             dict(num_warps=cfg.prefill_warps, num_stages=cfg.prefill_stages)),
-            ("decode", tk._decode_kernel, dict(common, BLOCK_G=16, NUM_HEADS=64, V_SKIP=tk.SKIP_MODES[cfg.decode_skip],
-                                               FUSED_ACC=False),
-             dict(num_warps=cfg.decode_warps, num_stages=cfg.decode_stages)),
-        ]
+        kernels = [(n, fn, dict(c, HAS_SINKS=False), o) for n, fn, c, o in default_kernels(mode, d)]
         if mode != 0:
             meta = tk.decode_rows_launch(8)
             options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
-            kernels.append(("rows", tk._decode_rows_kernel, dict(common, **meta), options))
+            kernels.append(("rows", tk._decode_rows_kernel, dict(launch_common(mode, d), HAS_SINKS=False, **meta),
+                            options))
         for name, fn, consts, options in kernels:
             plain = build(fn, dtype, consts, aligned=True, **options)
             fp8 = build(fn, dtype, consts, aligned=True, cache=cache, **options)
