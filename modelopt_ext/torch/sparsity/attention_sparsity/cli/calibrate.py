@@ -39,6 +39,7 @@ from pathlib import Path
 from . import engine_setup
 from .arguments import (
     CALIBRATION_LENGTHS_KEY,
+    CREATED,
     PHASES,
     ArgumentError,
     Plan,
@@ -306,6 +307,8 @@ def calibrate(args, plan: Plan) -> int:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    WRITTEN.clear()  # per run: a process that calls main twice (tests, a notebook) must not see the last run's files
+    CREATED.clear()
     try:
         with signals_interrupt():
             with held_stderr():
