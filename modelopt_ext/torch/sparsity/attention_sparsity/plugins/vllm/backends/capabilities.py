@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .. import compat
+from ..kv_cache import FP8_VIEW_DTYPES
 
 UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 """vLLM cache dtypes that hold the model's own values."""
-FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
-"""vLLM's FP8 cache dtypes the kernels read (e4m3 / e5m2 bytes times the layer's scales, docs/skip_softmax.md); other
-quantized caches (NVFP4, FP8 with per-token or MLA layouts) are not read."""
+FP8_KV_DTYPES = tuple(FP8_VIEW_DTYPES)
+"""vLLM's FP8 cache dtypes the kernels read (the views' table: e4m3 / e5m2 bytes times the layer's scales,
+docs/skip_softmax.md); other quantized caches (NVFP4, FP8 with per-token or MLA layouts) are not read."""
 
 
 class SparseCapabilities:
