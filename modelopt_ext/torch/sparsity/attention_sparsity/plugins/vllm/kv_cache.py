@@ -6,7 +6,7 @@ kernel path and the writer here read as the same logical `[num_blocks, page, Hkv
 vLLM has changed the cache tensor an attention impl receives several times (docs/vllm_releases.md §2, §7). Every
 sparse path (serving, calibration and the cache write) reads and writes the cache through these views, so one helper
 per backend decides the layout. The views never copy: they are `as_strided`/slice views of the cache's storage.
-This module needs only torch, so it is importable (and testable) without vLLM.
+This module needs only torch (and the kernels' semantics), so it is importable (and testable) without vLLM.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from modelopt_ext.torch.kernels.sparsity.attention.semantics import is_fp8_cache
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +195,7 @@ def native_flash_cache_write_op():
 def _stored(src: torch.Tensor, view: torch.Tensor, scale: float) -> torch.Tensor:
     """Rows as the cache stores them: the model's values, or for an FP8 view `src / scale` rounded to nearest and
     saturated to the format's finite range (vLLM's quantizing write)."""
-    if view.dtype not in FP8_VIEW_DTYPES.values():
+    if not is_fp8_cache(view):
         return src.to(view.dtype)
     limit = torch.finfo(view.dtype).max
     return (src.to(torch.float32) / scale).clamp_(-limit, limit).to(view.dtype)
